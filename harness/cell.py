@@ -1,0 +1,166 @@
+"""Measure one cell in this process: build, transform, warm up, measure memory, time, and make its row.
+
+`python -m harness.cell SPEC.json RESULT.json` is what the runner starts in a fresh process per
+cell, so allocator settings apply before the device starts and an OOM or crash stays contained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from harness.measure.memory import probe_for
+from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from harness.measure.timing import time_steps
+from harness.plan import Cell
+from harness.profiles import GpuProfile, load_profiles
+from harness.provenance import git_sha
+from harness.records import Record, atomic_write_text
+from suites.step import Step
+from suites.techniques import Run, Unsupported
+from suites.workloads import get_workload
+from suites.workloads.base import count_parameters
+
+# Precision label -> the dtype whose dense peak MFU is computed against (the guide's reference table
+# says MFU is always against the dense peak of the precision actually used).
+PEAK_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How hard to measure: warm-up steps, timed steps per repeat, repeats."""
+
+    warmup: int = 2
+    steps: int = 10
+    repeats: int = 3
+    seed: int = 0
+
+
+def base_record(cell: Cell, run_id: str, source: str, status: str, reason: str = "", **values) -> Record:
+    """A row with the cell's identity and provenance filled in."""
+    workload = get_workload(cell.workload)
+    spec = workload.sizes[cell.size]
+    return Record(
+        run_id=run_id, workload=cell.workload, size=cell.size, mode=cell.mode, technique=cell.technique,
+        gpu=cell.gpu, source=source, status=status, reason=reason, cell_id=cell.cell_id,
+        batch_size=cell.batch_size, seq_len=spec.seq_len, image_size=spec.image_size,
+        accuracy_metric=workload.accuracy_metric or None, torch_version=torch.__version__,
+        cuda_version=torch.version.cuda if torch.cuda.is_available() else None, git_sha=git_sha(),
+        hostname=socket.gethostname(), created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        **values)
+
+
+def failure_status(exc: BaseException) -> str:
+    """`oom` for out-of-memory errors on any device, `error` for everything else."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return "oom"
+    text = str(exc)
+    if "out of memory" in text.lower() or "can't allocate memory" in text:
+        return "oom"
+    return "error"
+
+
+def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: MeasureSettings) -> Record:
+    """Run and measure one cell on the local device; exceptions propagate to the caller."""
+    started = time.perf_counter()
+    workload = get_workload(cell.workload)
+    spec = workload.sizes[cell.size]
+    stack = cell.stack
+    device = torch.device("cuda" if profile.vendor != "cpu" else "cpu")
+    torch.manual_seed(settings.seed)
+    generator = torch.Generator().manual_seed(settings.seed)
+
+    probe = probe_for(device)
+    with probe:
+        model = workload.build(spec)
+        run = Run(workload=workload, size=spec, mode=cell.mode, profile=profile, model=model,
+                  batch_size=cell.batch_size)
+        try:
+            stack.apply(run)
+        except Unsupported as exc:
+            return base_record(cell, run_id, "measured", "unsupported", str(exc), device_name=profile.name)
+        # Allocator settings and other environment must be in place before the device starts.
+        os.environ.update(run.env)
+        run.model = run.model.to(device)
+        step = Step(run, device)
+        batch = {k: v.to(device) for k, v in workload.batch(spec, cell.batch_size, generator).items()}
+        for _ in range(settings.warmup):
+            step(batch)
+        probe.begin_measured_step()
+        loss = step(batch, mark=probe.mark)
+        probe.end_measured_step()
+    reading = probe.reading()
+    if cell.mode == "train" and not torch.isfinite(loss).all():
+        return base_record(cell, run_id, "measured", "error", f"non-finite loss {loss.item()}",
+                           device_name=profile.name)
+
+    timing = time_steps(lambda: step(batch), settings.steps, settings.repeats, device)
+
+    live = reading.live_at
+    if cell.mode == "train" and "forward_start" in live and "forward_end" in live:
+        # What one micro-batch's forward leaves alive for backward: saved tensors and the loss.
+        activations = live["forward_end"][0] - live["forward_start"][0]
+    elif "forward" in reading.peak_in and "forward_start" in live:
+        # Inference keeps nothing for backward: its activations are the forward's transient peak.
+        activations = reading.peak_in["forward"] - live["forward_start"][0]
+    else:
+        activations = None
+
+    throughput = timing.throughput(cell.batch_size)
+    flops_per_sample = (workload.train_flops_per_sample(spec) if cell.mode == "train"
+                        else workload.forward_flops_per_sample(spec))
+    peak = profile.peak(PEAK_DTYPE.get(run.precision, ""))
+    tokens_per_s = throughput * spec.seq_len if spec.seq_len else None
+    usd_per_sample = profile.usd_per_hour / 3600 / throughput if profile.usd_per_hour else None
+    # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return base_record(
+        cell, run_id, "measured", "ok", precision=run.precision, device_name=_device_name(device),
+        peak_allocated_bytes=reading.peak_allocated, peak_reserved_bytes=reading.peak_reserved,
+        process_peak_rss_bytes=rss, params_bytes=parameter_bytes(run.model),
+        grads_bytes=gradient_bytes(run.model) if cell.mode == "train" else None,
+        optimizer_bytes=optimizer_state_bytes(step.optimizer), activations_bytes=activations,
+        param_count=count_parameters(run.model),
+        step_time_ms_p50=timing.percentile_ms(0.5), step_time_ms_p90=timing.percentile_ms(0.9),
+        step_time_cv=timing.cv, timed_steps=len(timing.step_s), throughput_samples_s=throughput,
+        tokens_per_s=tokens_per_s, flops_per_step=flops_per_sample * cell.batch_size,
+        mfu=flops_per_sample * throughput / peak if peak else None,
+        usd_per_million_samples=usd_per_sample * 1e6 if usd_per_sample else None,
+        usd_per_million_tokens=usd_per_sample * 1e6 / spec.seq_len if usd_per_sample and spec.seq_len else None,
+        wall_time_s=time.perf_counter() - started, notes="; ".join(run.notes))
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu x{torch.get_num_threads()} threads"
+
+
+def main(argv: list[str]) -> int:
+    """Child-process entry: read the cell spec, measure, write the row; failures become rows too."""
+    spec_path, result_path = argv
+    spec = json.loads(open(spec_path, encoding="utf-8").read())
+    cell = Cell(**spec["cell"])
+    profiles = load_profiles(spec.get("profiles_dir"))
+    settings = MeasureSettings(**spec["settings"])
+    try:
+        record = measure_cell(cell, profiles[cell.gpu], spec["run_id"], settings)
+    except BaseException as exc:  # the row must say what happened, whatever it was
+        detail = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[0][:500]
+        record = base_record(cell, spec["run_id"], "measured", failure_status(exc), detail)
+    atomic_write_text(Path(result_path), json.dumps(record.to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

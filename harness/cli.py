@@ -1,0 +1,224 @@
+"""The `headroom` command: run benchmarks, build reports, list profiles, techniques and workloads.
+
+User errors (unknown names, bad files, unwritable folders) print one line and exit with code 2;
+`--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+EXIT_USAGE = 2
+EXIT_CELLS_FAILED = 1
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors are one line (no usage dump) and exit with code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="headroom", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--profiles", metavar="DIR", help="extra folder of GPU profile TOMLs "
+                        "(also HEADROOM_PROFILES)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="measure cells on this machine and write results + report")
+    run.add_argument("--workload", type=_csv, default=None, help="comma-separated (default: all)")
+    run.add_argument("--size", type=_csv, default=None, help="comma-separated size ids (default: by --scale)")
+    run.add_argument("--technique", type=_csv, default=None, metavar="STACK,...",
+                     help="technique stacks such as baseline,amp-bf16+checkpointing (default: each technique)")
+    run.add_argument("--gpu", type=_csv, default=None, help="profile ids or families (default: the local device)")
+    run.add_argument("--scale", default=None, help="smoke|standard|large (default: smoke on CPU, standard on GPU)")
+    run.add_argument("--mode", type=_csv, default=["train", "infer"], help="train, infer or both (default)")
+    run.add_argument("--batch-size", type=int, default=None, help="override every size's default batch")
+    run.add_argument("--out", type=Path, default=None, help="results folder (default: results/<run-id>)")
+    run.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="seconds per cell (default 600)")
+    run.add_argument("--warmup", type=int, default=2)
+    run.add_argument("--steps", type=int, default=10, help="timed steps per repeat (at least 10)")
+    run.add_argument("--repeats", type=int, default=3)
+    run.add_argument("--resume", action="store_true", help="skip cells already recorded in --out")
+    run.add_argument("--require-device", action="store_true",
+                     help="refuse instead of projecting when a requested GPU is not this machine's")
+    run.add_argument("--no-report", action="store_true", help="do not write report.html")
+
+    report = sub.add_parser("report", help="merge results files into one HTML report")
+    report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
+    report.add_argument("--out", type=Path, required=True, metavar="FILE.html")
+
+    sub.add_parser("profiles", help="list GPU profiles")
+    sub.add_parser("techniques", help="list techniques")
+    sub.add_parser("workloads", help="list workloads and sizes")
+    sub.add_parser("env", help="device, driver, torch, CUDA and NVML availability")
+    sub.add_parser("families", help="list GPU profile families (used by the noxfile)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except (UsageError, ValueError) as exc:
+        if debug:
+            raise
+        print(f"headroom: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("headroom: interrupted; finished cells are saved (rerun with --resume)", file=sys.stderr)
+        return 130
+
+
+def _profiles(args):
+    from harness.profiles import load_profiles
+
+    return load_profiles(args.profiles)
+
+
+def cmd_run(args) -> int:
+    from rich.console import Console
+
+    from harness.cell import MeasureSettings
+    from harness.plan import expand
+    from harness.profiles import detect_local, resolve_gpus
+    from harness.records import ResultsStore
+    from harness.run import DEFAULT_CELL_TIMEOUT_S, RunOptions, run_plan
+    from suites.techniques import technique_names
+    from suites.workloads import WORKLOADS
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    profiles = _profiles(args)
+    local = detect_local(profiles)
+    gpus = resolve_gpus(args.gpu, profiles) if args.gpu else [local]
+    foreign = [g.id for g in gpus if g.id != local.id]
+    if foreign:
+        # Projection onto GPUs this machine does not have is its own feature (issue #4); until it
+        # lands, asking for another GPU is refused rather than silently measured on the wrong device.
+        raise UsageError(f"no {', '.join(foreign)} on this machine (local device: {local.id}); projected "
+                         f"figures for other GPUs are not available yet, run on that GPU instead")
+    if args.steps < 10:
+        raise UsageError(f"--steps must be at least 10 timed steps, got {args.steps}")
+    if args.repeats < 1 or args.warmup < 0:
+        raise UsageError("--repeats must be >= 1 and --warmup >= 0")
+    scale = args.scale or ("smoke" if local.vendor == "cpu" else "standard")
+    cells = expand(args.workload or list(WORKLOADS), args.technique or technique_names(), gpus, args.mode,
+                   scale=scale, sizes=args.size, batch_size=args.batch_size)
+    run_id = datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+    out = args.out or Path("results") / run_id
+    if args.resume and not (out / "cells").is_dir():
+        raise UsageError(f"--resume: {out} holds no earlier run (no cells/ folder)")
+    store = ResultsStore(out)
+    store.prepare()
+    options = RunOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
+                         settings=MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats),
+                         profiles_dir=args.profiles)
+    console.print(f"headroom run {run_id}: {len(cells)} cells on {local.name} ({local.id}), scale {scale} "
+                  f"-> {out}" + (" [measured]" if local.vendor == "cpu" else ""))
+    started = time.perf_counter()
+
+    def progress(index, total, cell, record):
+        elapsed = time.perf_counter() - started
+        if record is None:
+            console.print(f"[{index}/{total}] {cell.describe()}: already recorded, skipped")
+            return
+        detail = (f"p50 {record.step_time_ms_p50:.2f} ms, {record.throughput_samples_s:.1f} samples/s, "
+                  f"peak {record.peak_allocated_bytes / 2**20:.1f} MiB" if record.status == "ok"
+                  else record.reason)
+        console.print(f"[{index}/{total} {elapsed:5.0f}s] {cell.describe()}: {record.status}  {detail}")
+
+    records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume)
+    frame = store.write_frame()
+    if not args.no_report:
+        from reports.build import write_report
+
+        write_report([frame], out / "report.html")
+    counts = frame["status"].value_counts().to_dict()
+    console.print(f"done in {time.perf_counter() - started:.0f}s: {len(records)} cells run, "
+                  f"{len(frame)} rows ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) "
+                  f"-> {out}/results.parquet, results.csv" + ("" if args.no_report else ", report.html"))
+    failed = frame["status"].isin(["error", "timeout"]).sum()
+    return EXIT_CELLS_FAILED if failed else 0
+
+
+def cmd_report(args) -> int:
+    from harness.records import read_results
+    from reports.build import write_report
+
+    frames = [read_results(path) for path in args.results]
+    write_report(frames, args.out)
+    print(f"wrote {args.out} from {sum(len(f) for f in frames)} rows")
+    return 0
+
+
+def cmd_profiles(args) -> int:
+    for profile in _profiles(args).values():
+        memory = f"{profile.memory_bytes / 2**30:.0f} GiB" if profile.memory_bytes else "?"
+        bf16 = profile.peak("bf16")
+        peak = f"{bf16 / 1e12:g} TFLOP/s bf16" if bf16 else "bf16 peak unknown"
+        price = f"${profile.usd_per_hour:g}/h ({profile.price_date})" if profile.usd_per_hour else "no price"
+        print(f"{profile.id:16} {profile.family:8} {profile.name:28} {memory:>8}  {peak:22} {price}")
+    return 0
+
+
+def cmd_families(args) -> int:
+    from harness.profiles import families
+
+    print("\n".join(families(_profiles(args))))
+    return 0
+
+
+def cmd_techniques(args) -> int:
+    from suites.techniques import TECHNIQUES
+
+    print(f"{'baseline':20} {'':10} no technique")
+    for technique in TECHNIQUES.values():
+        print(f"{technique.id:20} {technique.guide:4} {technique.phase.name.lower():10} {technique.summary}")
+    return 0
+
+
+def cmd_workloads(args) -> int:
+    import torch
+
+    from suites.workloads import WORKLOADS
+    from suites.workloads.base import count_parameters
+
+    for workload in WORKLOADS.values():
+        for spec in workload.sizes.values():
+            with torch.device("meta"):
+                params = count_parameters(workload.build(spec))
+            shape = f"seq {spec.seq_len}" if spec.seq_len else f"{spec.image_size}px"
+            print(f"{workload.name:9} {spec.name:12} {spec.scale:9} {params / 1e6:10.1f} M params  "
+                  f"batch {spec.batch_size:<4} {shape}")
+    return 0
+
+
+def cmd_env(args) -> int:
+    from harness.provenance import environment
+
+    for key, value in environment().items():
+        print(f"{key:15} {value if value is not None else '-'}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "report": cmd_report, "profiles": cmd_profiles, "techniques": cmd_techniques,
+            "workloads": cmd_workloads, "env": cmd_env, "families": cmd_families}
+
+if __name__ == "__main__":
+    sys.exit(main())

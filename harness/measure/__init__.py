@@ -1,0 +1,1 @@
+"""Local measurement: timing and memory on the device this process runs on."""

@@ -1,0 +1,308 @@
+"""GPU profiles: load and validate `gpu_profiles/*.toml`, and find the one that matches this machine.
+
+A profile is the datasheet of one GPU variant (memory, bandwidth, dense peak per dtype, features,
+price) with a source for every figure. Unknown figures are absent, never guessed, so anything derived
+from them (MFU, cost) is empty rather than wrong. Users add a GPU by dropping one more TOML into a
+folder named by `--profiles DIR` or `HEADROOM_PROFILES`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PROFILES_DIR = Path(__file__).resolve().parent.parent / "gpu_profiles"
+PROFILES_ENV = "HEADROOM_PROFILES"
+
+DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")
+FEATURES = ("bf16", "tf32", "fp8", "sparse_2to4", "flash_attention")
+VENDORS = ("nvidia", "amd", "cpu")
+
+
+class ProfileError(ValueError):
+    """A profile file is malformed; the message names the file, the field and what is expected."""
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """One GPU variant. Figures are per device package; absent figures are None (unknown)."""
+
+    id: str
+    family: str
+    name: str
+    vendor: str
+    match: tuple[str, ...]
+    path: Path
+    architecture: str | None = None
+    compute_capability: str | None = None
+    gfx_target: str | None = None
+    memory_bytes: int | None = None
+    memory_bandwidth_bytes_s: float | None = None
+    tdp_w: float | None = None
+    sm_count: int | None = None
+    l2_bytes: int | None = None
+    devices_per_package: int = 1
+    peak_flops: dict[str, float] = field(default_factory=dict)
+    sparse_flops: dict[str, float] = field(default_factory=dict)
+    features: dict[str, bool] = field(default_factory=dict)
+    interconnect: dict[str, Any] = field(default_factory=dict)
+    usd_per_hour: float | None = None
+    price_date: str | None = None
+    price_source: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+    unverified: tuple[str, ...] = ()
+
+    def has(self, feature: str) -> bool:
+        """Whether the profile declares `feature` (one of FEATURES)."""
+        return bool(self.features.get(feature, False))
+
+    def peak(self, dtype: str) -> float | None:
+        """Dense peak FLOP/s for `dtype`, None where unknown (MFU is then empty, not wrong)."""
+        return self.peak_flops.get(dtype)
+
+    @property
+    def cc_tuple(self) -> tuple[int, int] | None:
+        if not self.compute_capability:
+            return None
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+
+# field name -> (expected python types, description for the error message)
+_TOP_LEVEL: dict[str, tuple[tuple[type, ...], str]] = {
+    "id": ((str,), "a non-empty string"),
+    "family": ((str,), "a non-empty string"),
+    "name": ((str,), "a non-empty string"),
+    "vendor": ((str,), "one of " + ", ".join(VENDORS)),
+    "match": ((list,), "a list of exact device-name strings"),
+    "architecture": ((str,), "a string"),
+    "compute_capability": ((str,), 'a string like "8.0"'),
+    "gfx_target": ((str,), 'a string like "gfx942"'),
+    "memory_gib": ((int, float), "a positive number of GiB"),
+    "memory_bandwidth_gb_s": ((int, float), "a positive number of GB/s"),
+    "tdp_w": ((int, float), "a positive number of watts"),
+    "sm_count": ((int,), "a positive integer"),
+    "l2_mib": ((int, float), "a positive number of MiB"),
+    "devices_per_package": ((int,), "a positive integer"),
+    "peak_tflops": ((dict,), "a table of dtype = TFLOP/s"),
+    "sparse_tflops": ((dict,), "a table of dtype = TFLOP/s"),
+    "features": ((dict,), "a table of feature = true/false"),
+    "interconnect": ((dict,), "a table"),
+    "price": ((dict,), "a table with usd_per_hour, date, source"),
+    "sources": ((dict,), "a table of figure = source text"),
+    "unverified": ((dict,), "a table with fields (list) and notes"),
+    "measured_at_runtime": ((list,), "a list of field names"),
+}
+_REQUIRED = ("id", "family", "name", "vendor", "match", "features")
+# Figures that must cite a source when present.
+_SOURCED = ("memory_gib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib", "compute_capability",
+            "peak_tflops", "sparse_tflops", "interconnect")
+_INTERCONNECT = {"gpu_link": str, "gpu_link_gb_s": (int, float), "host_link": str, "host_link_gb_s": (int, float)}
+
+
+def _fail(path: Path, field_name: str, expected: str) -> ProfileError:
+    return ProfileError(f"{path}: field '{field_name}': expected {expected}")
+
+
+def _positive(path: Path, name: str, value: Any, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise _fail(path, name, f"{expected}, got {value!r}")
+    return value
+
+
+def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
+    """Validate one parsed TOML document and build its profile; ProfileError on the first problem."""
+    for key in data:
+        if key not in _TOP_LEVEL:
+            raise _fail(path, key, "no such field; valid fields: " + ", ".join(_TOP_LEVEL))
+    for key in _REQUIRED:
+        if key not in data:
+            raise _fail(path, key, f"{_TOP_LEVEL[key][1]} (the field is missing)")
+    for key, value in data.items():
+        types, expected = _TOP_LEVEL[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise _fail(path, key, f"{expected}, got {value!r}")
+        if isinstance(value, str) and not value.strip():
+            raise _fail(path, key, f"{expected}, got an empty string")
+    if data["id"] != path.stem:
+        raise _fail(path, "id", f"the file name's stem {path.stem!r}, got {data['id']!r}")
+    if data["vendor"] not in VENDORS:
+        raise _fail(path, "vendor", f"one of {', '.join(VENDORS)}, got {data['vendor']!r}")
+    if not all(isinstance(m, str) and m for m in data["match"]):
+        raise _fail(path, "match", "a list of non-empty strings")
+    cc = data.get("compute_capability")
+    if cc is not None and not _is_cc(cc):
+        raise _fail(path, "compute_capability", f'"MAJOR.MINOR" such as "8.0", got {cc!r}')
+    for key in ("memory_gib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib", "devices_per_package"):
+        if key in data:
+            _positive(path, key, data[key], _TOP_LEVEL[key][1])
+
+    peak = _flops_table(path, "peak_tflops", data.get("peak_tflops", {}))
+    sparse = _flops_table(path, "sparse_tflops", data.get("sparse_tflops", {}))
+    features = data["features"]
+    for name in FEATURES:
+        if not isinstance(features.get(name), bool):
+            raise _fail(path, f"features.{name}", f"true or false, got {features.get(name)!r}")
+    for name in features:
+        if name not in FEATURES:
+            raise _fail(path, f"features.{name}", "no such feature; valid: " + ", ".join(FEATURES))
+    interconnect = data.get("interconnect", {})
+    for name, value in interconnect.items():
+        expected = _INTERCONNECT.get(name)
+        if expected is None:
+            raise _fail(path, f"interconnect.{name}", "no such field; valid: " + ", ".join(_INTERCONNECT))
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise _fail(path, f"interconnect.{name}", f"a {'string' if expected is str else 'number'}")
+
+    price = data.get("price", {})
+    if price:
+        _positive(path, "price.usd_per_hour", price.get("usd_per_hour"), "a positive number of USD per hour")
+        for name in ("date", "source"):
+            if not isinstance(price.get(name), str) or not price[name].strip():
+                raise _fail(path, f"price.{name}", "a non-empty string (prices are dated and sourced)")
+        extra = set(price) - {"usd_per_hour", "date", "source"}
+        if extra:
+            raise _fail(path, f"price.{sorted(extra)[0]}", "no such field; valid: usd_per_hour, date, source")
+
+    sources = data.get("sources", {})
+    runtime = set(data.get("measured_at_runtime", []))
+    for key in _SOURCED:
+        if key in data and key not in runtime and not isinstance(sources.get(key), str):
+            raise _fail(path, f"sources.{key}", f"a source for '{key}' (every figure cites where it came from)")
+    unverified = data.get("unverified", {})
+    fields = unverified.get("fields", [])
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise _fail(path, "unverified.fields", "a list of field names")
+
+    def scaled(key: str, factor: float) -> float | None:
+        return data[key] * factor if key in data else None
+
+    return GpuProfile(
+        id=data["id"], family=data["family"], name=data["name"], vendor=data["vendor"],
+        match=tuple(data["match"]), path=path, architecture=data.get("architecture"),
+        compute_capability=cc, gfx_target=data.get("gfx_target"),
+        memory_bytes=int(data["memory_gib"] * 2**30) if "memory_gib" in data else None,
+        memory_bandwidth_bytes_s=scaled("memory_bandwidth_gb_s", 1e9),
+        tdp_w=data.get("tdp_w"), sm_count=data.get("sm_count"),
+        l2_bytes=int(data["l2_mib"] * 2**20) if "l2_mib" in data else None,
+        devices_per_package=data.get("devices_per_package", 1),
+        peak_flops={k: v * 1e12 for k, v in peak.items()},
+        sparse_flops={k: v * 1e12 for k, v in sparse.items()},
+        features=dict(features), interconnect=dict(interconnect),
+        usd_per_hour=price.get("usd_per_hour"), price_date=price.get("date"), price_source=price.get("source"),
+        sources=dict(sources), unverified=tuple(fields),
+    )
+
+
+def _is_cc(value: str) -> bool:
+    parts = value.split(".")
+    return len(parts) == 2 and all(p.isdigit() for p in parts)
+
+
+def _flops_table(path: Path, section: str, table: dict[str, Any]) -> dict[str, float]:
+    for dtype, value in table.items():
+        if dtype not in DTYPES:
+            raise _fail(path, f"{section}.{dtype}", "a dtype among " + ", ".join(DTYPES))
+        _positive(path, f"{section}.{dtype}", value, "a positive number of TFLOP/s")
+    return dict(table)
+
+
+def load_profile(path: Path) -> GpuProfile:
+    """Read and validate one TOML file."""
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc.strerror}") from None
+    profile = parse_profile(data, path)
+    if "memory_gib" in data.get("measured_at_runtime", []):
+        profile = _with_host_memory(profile)
+    return profile
+
+
+def _with_host_memory(profile: GpuProfile) -> GpuProfile:
+    """The `cpu` profile's memory is this machine's RAM, read when loaded (not a datasheet figure)."""
+    from dataclasses import replace
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    sources = dict(profile.sources, memory_gib="measured: os.sysconf(SC_PHYS_PAGES) on this machine")
+    return replace(profile, memory_bytes=total, sources=sources)
+
+
+def profile_dirs(extra: str | os.PathLike | None = None) -> list[Path]:
+    """The built-in folder, then HEADROOM_PROFILES, then `--profiles DIR` (later folders may add ids)."""
+    dirs = [BUILTIN_PROFILES_DIR]
+    for candidate in (os.environ.get(PROFILES_ENV), extra):
+        if candidate:
+            path = Path(candidate)
+            if not path.is_dir():
+                raise ProfileError(f"{path}: profiles folder does not exist (from --profiles or {PROFILES_ENV})")
+            dirs.append(path)
+    return dirs
+
+
+def load_profiles(extra: str | os.PathLike | None = None) -> dict[str, GpuProfile]:
+    """Every profile, keyed by id; a duplicate id across folders is an error naming both files."""
+    profiles: dict[str, GpuProfile] = {}
+    for folder in profile_dirs(extra):
+        for path in sorted(folder.glob("*.toml")):
+            profile = load_profile(path)
+            if profile.id in profiles:
+                raise ProfileError(f"{path}: field 'id': a unique id, but {profile.id!r} is also defined "
+                                   f"in {profiles[profile.id].path}")
+            profiles[profile.id] = profile
+    return profiles
+
+
+def families(profiles: dict[str, GpuProfile]) -> dict[str, list[GpuProfile]]:
+    """Family name -> its variants, in id order."""
+    out: dict[str, list[GpuProfile]] = {}
+    for profile in profiles.values():
+        out.setdefault(profile.family, []).append(profile)
+    return out
+
+
+def resolve_gpus(names: list[str], profiles: dict[str, GpuProfile]) -> list[GpuProfile]:
+    """Expand ids and family names into profiles (order kept, duplicates dropped); ValueError otherwise."""
+    fams = families(profiles)
+    chosen: dict[str, GpuProfile] = {}
+    for name in names:
+        if name in profiles:
+            chosen.setdefault(name, profiles[name])
+        elif name in fams:
+            for profile in fams[name]:
+                chosen.setdefault(profile.id, profile)
+        else:
+            raise ValueError(unknown_name("GPU", name, sorted(set(profiles) | set(fams))))
+    return list(chosen.values())
+
+
+def unknown_name(what: str, name: str, valid: list[str]) -> str:
+    """One line: the unknown name, the closest valid ones, and where to see them all."""
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown {what} {name!r}{hint} (valid: {', '.join(valid)})"
+
+
+def detect_local(profiles: dict[str, GpuProfile]) -> GpuProfile:
+    """The profile of the device this process would measure on: the CUDA device by exact name, else `cpu`.
+
+    A CUDA device whose name matches no profile raises, naming the device, instead of silently
+    borrowing a neighbour's figures.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name(0)
+        for profile in profiles.values():
+            if device_name in profile.match:
+                return profile
+        raise ProfileError(f"no profile matches the local GPU {device_name!r}: add a TOML with "
+                           f'match = ["{device_name}"] to a folder given by --profiles')
+    return profiles["cpu"]

@@ -1,0 +1,196 @@
+"""Records: one flat row of scalars per cell, and the results store they are written to.
+
+Raw numbers with units in the column names; formatting is the reports' job. Unknown values are
+None (empty in CSV, null in Parquet), never a made-up 0. Each finished cell is written to its own
+JSON file atomically (temp file + rename), so a crash never leaves a half-written result and a
+resumed run knows what is done; the frame (`results.parquet`, `results.csv`) is rebuilt from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "unsupported", "error", "timeout")
+SOURCES = ("measured", "projected")
+
+
+@dataclass
+class Record:
+    """One cell's row. Identity, status, memory (bytes), speed, accuracy, cost, provenance."""
+
+    # identity
+    run_id: str
+    workload: str
+    size: str
+    mode: str
+    technique: str
+    gpu: str
+    source: str
+    status: str
+    reason: str = ""
+    cell_id: str = ""
+    world_size: int = 1
+    batch_size: int | None = None
+    seq_len: int | None = None
+    image_size: int | None = None
+    precision: str | None = None
+    # memory, bytes
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    process_peak_rss_bytes: int | None = None
+    params_bytes: int | None = None
+    grads_bytes: int | None = None
+    optimizer_bytes: int | None = None
+    activations_bytes: int | None = None
+    temporaries_bytes: int | None = None
+    param_count: int | None = None
+    # speed
+    step_time_ms_p50: float | None = None
+    step_time_ms_p90: float | None = None
+    step_time_cv: float | None = None
+    timed_steps: int | None = None
+    throughput_samples_s: float | None = None
+    tokens_per_s: float | None = None
+    flops_per_step: float | None = None
+    mfu: float | None = None
+    # accuracy
+    accuracy_metric: str | None = None
+    accuracy: float | None = None
+    accuracy_delta: float | None = None
+    accuracy_noise: float | None = None
+    # cost
+    usd_per_million_samples: float | None = None
+    usd_per_million_tokens: float | None = None
+    # provenance
+    device_name: str | None = None
+    torch_version: str | None = None
+    cuda_version: str | None = None
+    driver_version: str | None = None
+    git_sha: str | None = None
+    hostname: str | None = None
+    created_at: str | None = None
+    wall_time_s: float | None = None
+    notes: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+COLUMNS = [f.name for f in fields(Record)]
+_INT_COLUMNS = [f.name for f in fields(Record) if f.type in ("int | None", "int")]
+_FLOAT_COLUMNS = [f.name for f in fields(Record) if f.type == "float | None"]
+
+
+def records_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """A frame with every column in schema order and nullable dtypes (so None stays empty, not 0/NaN)."""
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    for column in _INT_COLUMNS:
+        frame[column] = pd.to_numeric(frame[column]).astype("Int64")
+    for column in _FLOAT_COLUMNS:
+        frame[column] = pd.to_numeric(frame[column]).astype("Float64")
+    for column in COLUMNS:
+        if column not in _INT_COLUMNS and column not in _FLOAT_COLUMNS:
+            frame[column] = frame[column].astype("string")
+    return frame
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder and rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ResultsStore:
+    """A results folder: `cells/<cell_id>.json` per finished cell, plus the frame built from them."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.cells_dir = self.root / "cells"
+
+    def prepare(self) -> None:
+        """Create the folder or fail with one line if it cannot be written."""
+        try:
+            self.cells_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.cells_dir / ".write-probe"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(f"output directory {self.root} is not writable ({exc.strerror}); "
+                             f"choose another with --out") from None
+
+    def done(self) -> set[str]:
+        """Cell ids already recorded."""
+        return {p.stem for p in self.cells_dir.glob("*.json")}
+
+    def add(self, record: Record) -> None:
+        atomic_write_text(self.cells_dir / f"{record.cell_id}.json", json.dumps(record.to_dict()))
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(self.cells_dir.glob("*.json"))]
+
+    def write_frame(self) -> pd.DataFrame:
+        """Rebuild results.parquet and results.csv from the cell files, each atomically."""
+        frame = records_frame(self.rows())
+        parquet_tmp = self.root / ".results.parquet.tmp"
+        frame.to_parquet(parquet_tmp, index=False)
+        os.replace(parquet_tmp, self.root / "results.parquet")
+        atomic_write_text(self.root / "results.csv", frame.to_csv(index=False))
+        return frame
+
+
+def read_results(path: Path) -> pd.DataFrame:
+    """Load a results file (.parquet or .csv, or a folder holding results.parquet) and check its schema."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.parquet"
+    if not path.exists():
+        raise ValueError(f"{path}: no such results file")
+    try:
+        if path.suffix == ".parquet":
+            frame = pd.read_parquet(path)
+        elif path.suffix == ".csv":
+            frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
+        else:
+            raise ValueError(f"{path}: not a results file (expected .parquet or .csv)")
+    except (OSError, ValueError, ImportError) as exc:
+        if str(exc).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: not a readable results file ({type(exc).__name__})") from None
+    missing = [c for c in ("schema_version", "workload", "technique", "source", "status") if c not in frame]
+    if missing:
+        raise ValueError(f"{path}: not a headroom results file (missing columns: {', '.join(missing)})")
+    versions = set(pd.to_numeric(frame["schema_version"], errors="coerce").dropna().astype(int))
+    unknown = versions - {SCHEMA_VERSION}
+    if unknown:
+        raise ValueError(f"{path}: schema version {sorted(unknown)} is not known to this headroom "
+                         f"(it reads version {SCHEMA_VERSION}); upgrade headroom")
+    for column in COLUMNS:
+        if column not in frame:
+            frame[column] = None
+    rows = frame[COLUMNS].astype(object).where(frame[COLUMNS].notna(), None).to_dict("records")
+    return records_frame(rows)

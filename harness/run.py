@@ -1,0 +1,98 @@
+"""Run a plan: each measured cell in its own process with a timeout; every outcome becomes a row.
+
+An exception, an OOM, a timeout or a crash (segfault, `os._exit`) in a cell is recorded with its
+status and reason and the run goes on. Rows are written as each cell finishes, so an interrupted
+run loses at most the cell in flight, and `--resume` skips the cells already recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from harness.cell import MeasureSettings, base_record
+from harness.plan import Cell, support_reason
+from harness.profiles import GpuProfile
+from harness.provenance import REPO_ROOT
+from harness.records import Record, ResultsStore
+
+DEFAULT_CELL_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    run_id: str
+    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S
+    settings: MeasureSettings = MeasureSettings()
+    profiles_dir: str | None = None
+
+
+def run_isolated(cell: Cell, options: RunOptions) -> Record:
+    """Measure `cell` in a fresh Python process; turn any way it can fail into a row."""
+    with tempfile.TemporaryDirectory(prefix="headroom-cell-") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps({
+            "cell": cell.to_dict(), "run_id": options.run_id, "settings": asdict(options.settings),
+            "profiles_dir": options.profiles_dir}))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                                         os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, "-m", "harness.cell", str(spec_path), str(result_path)]
+        started = time.perf_counter()
+        # Own process group, so a timeout kills the cell and anything it started.
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True, start_new_session=True)
+        try:
+            _, stderr = process.communicate(timeout=options.cell_timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return base_record(cell, options.run_id, "measured", "timeout",
+                               f"exceeded --cell-timeout {options.cell_timeout_s:g} s",
+                               wall_time_s=time.perf_counter() - started)
+        if result_path.exists():
+            return Record(**json.loads(result_path.read_text(encoding="utf-8")))
+        return base_record(cell, options.run_id, "measured", *_crash_reason(process.returncode, stderr),
+                           wall_time_s=time.perf_counter() - started)
+
+
+def _crash_reason(returncode: int, stderr: str) -> tuple[str, str]:
+    """Status and reason for a cell process that died without writing its row."""
+    tail = [line for line in stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        # The kernel's OOM killer ends a process with SIGKILL and no message of its own.
+        status = "oom" if name == "SIGKILL" else "error"
+        return status, f"cell process killed by {name}; last stderr line: {tail[0][:300]}"
+    return "error", f"cell process exited with code {returncode} without a result; last stderr line: {tail[0][:300]}"
+
+
+def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsStore, options: RunOptions,
+             on_done: Callable[[int, int, Cell, Record | None], None] | None = None,
+             resume: bool = False) -> list[Record]:
+    """Run every cell not already in the store (when resuming) and write rows as they finish."""
+    done = store.done() if resume else set()
+    records: list[Record] = []
+    for index, cell in enumerate(cells, start=1):
+        if cell.cell_id in done:
+            if on_done:
+                on_done(index, len(cells), cell, None)
+            continue
+        reason = support_reason(cell, profiles[cell.gpu])
+        if reason:
+            record = base_record(cell, options.run_id, "measured", "unsupported", reason)
+        else:
+            record = run_isolated(cell, options)
+        store.add(record)
+        store.write_frame()
+        records.append(record)
+        if on_done:
+            on_done(index, len(cells), cell, record)
+    return records

@@ -1,0 +1,1 @@
+"""Reports: results frames to self-contained HTML."""

@@ -1,0 +1,83 @@
+"""Results frames -> a report context -> self-contained HTML through Jinja2 templates.
+
+`build_context` decides what to show and formats every number; the templates only lay it out
+(autoescape on, StrictUndefined, so a name from a results file can never inject markup and a
+missing value fails loudly instead of printing nothing).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import jinja2
+import pandas as pd
+
+from reports import format as fmt
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+# Column -> (header, formatter) for the per-workload tables.
+TABLE_COLUMNS = [
+    ("size", "size", fmt.text), ("mode", "mode", fmt.text), ("technique", "technique", fmt.text),
+    ("gpu", "GPU", fmt.text), ("source", "source", fmt.text), ("status", "status", fmt.text),
+    ("batch_size", "batch", fmt.text), ("precision", "precision", fmt.text),
+    ("peak_allocated_bytes", "peak allocated", fmt.bytes_), ("peak_reserved_bytes", "peak reserved", fmt.bytes_),
+    ("params_bytes", "params", fmt.bytes_), ("grads_bytes", "grads", fmt.bytes_),
+    ("optimizer_bytes", "optimizer", fmt.bytes_), ("activations_bytes", "activations", fmt.bytes_),
+    ("step_time_ms_p50", "step p50 (ms)", lambda v: fmt.number(v, 2)),
+    ("step_time_ms_p90", "step p90 (ms)", lambda v: fmt.number(v, 2)),
+    ("throughput_samples_s", "samples/s", fmt.number), ("tokens_per_s", "tokens/s", lambda v: fmt.number(v, 0)),
+    ("mfu", "MFU", fmt.percent), ("usd_per_million_samples", "USD / M samples", fmt.usd),
+]
+ENV_COLUMNS = ["device_name", "torch_version", "cuda_version", "driver_version", "git_sha", "hostname"]
+
+
+def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def build_context(frame: pd.DataFrame) -> dict:
+    """Everything the template shows, already formatted."""
+    workloads = []
+    for name, group in frame.groupby("workload", sort=False):
+        group = group.sort_values(["size", "mode", "technique", "gpu", "source"], kind="stable")
+        rows = [{"cells": [formatter(row[col]) for col, _, formatter in TABLE_COLUMNS],
+                 "status": str(row["status"]), "reason": fmt.text(row["reason"])}
+                for _, row in group.iterrows()]
+        workloads.append({"name": str(name), "headers": [h for _, h, _ in TABLE_COLUMNS], "rows": rows})
+    environments = (frame[ENV_COLUMNS + ["run_id"]].drop_duplicates().astype(object)
+                    .map(fmt.text).to_dict("records") if len(frame) else [])
+    sources = sorted(frame["source"].dropna().unique()) if len(frame) else []
+    return {
+        "title": "headroom report",
+        "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "run_ids": sorted(frame["run_id"].dropna().unique()) if len(frame) else [],
+        "row_count": len(frame),
+        "status_counts": frame["status"].value_counts().to_dict() if len(frame) else {},
+        "projected_only": sources == ["projected"],
+        "sources": sources,
+        "workloads": workloads,
+        "environments": environments,
+    }
+
+
+def environment_for_templates() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
+                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+
+
+def render(frames: list[pd.DataFrame]) -> str:
+    return environment_for_templates().get_template("report.html.j2").render(**build_context(merge(frames)))
+
+
+def write_report(frames: list[pd.DataFrame], out: Path) -> Path:
+    """Render and write atomically; the folder must exist or be creatable."""
+    from harness.records import atomic_write_text
+
+    out = Path(out)
+    try:
+        atomic_write_text(out, render(frames))
+    except OSError as exc:
+        raise ValueError(f"cannot write report {out} ({exc.strerror}); choose another --out") from None
+    return out

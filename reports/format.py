@@ -1,0 +1,46 @@
+"""Number formatting for people: the only place raw values become text."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+EMPTY = "–"
+
+
+def _missing(value) -> bool:
+    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
+
+
+def bytes_(value) -> str:
+    """Bytes in binary units (GiB/MiB/KiB), as allocators and nvidia-smi count them."""
+    if _missing(value):
+        return EMPTY
+    value = float(value)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def number(value, digits: int = 1) -> str:
+    if _missing(value):
+        return EMPTY
+    return f"{float(value):,.{digits}f}"
+
+
+def percent(value) -> str:
+    if _missing(value):
+        return EMPTY
+    return f"{100 * float(value):.1f}%"
+
+
+def usd(value) -> str:
+    if _missing(value):
+        return EMPTY
+    return f"${float(value):,.2f}"
+
+
+def text(value) -> str:
+    return EMPTY if _missing(value) or value == "" else str(value)

@@ -1,0 +1,1 @@
+"""The benchmarked workloads and the memory techniques applied to them."""

@@ -1,0 +1,99 @@
+"""The technique registry and stack parsing.
+
+A plain dict filled by explicit imports (no directory scanning, no class-path strings); a stack is
+written `amp-bf16+checkpointing` and applied in phase order. `baseline` is the empty stack.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from suites.techniques.accumulation import GRAD_ACCUMULATION
+from suites.techniques.base import Phase, Run, Technique, Unsupported
+from suites.techniques.checkpointing import CHECKPOINTING
+from suites.techniques.precision import AMP_BF16, AMP_FP16
+
+BASELINE = "baseline"
+
+TECHNIQUES: dict[str, Technique] = {}
+
+
+def register(technique: Technique) -> None:
+    """Add a technique; a second one with the same id is a programming error."""
+    if technique.id in TECHNIQUES or technique.id == BASELINE:
+        raise ValueError(f"technique id {technique.id!r} registered twice")
+    TECHNIQUES[technique.id] = technique
+
+
+for _technique in (AMP_BF16, AMP_FP16, CHECKPOINTING, GRAD_ACCUMULATION):
+    register(_technique)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Techniques in the order they are applied; `name` is the canonical spelling for records."""
+
+    techniques: tuple[Technique, ...]
+
+    @property
+    def name(self) -> str:
+        return "+".join(t.id for t in self.techniques) or BASELINE
+
+    @property
+    def changes_numerics(self) -> bool:
+        return any(t.changes_numerics for t in self.techniques)
+
+    def check(self, profile, workload, mode: str) -> str | None:
+        """The first reason any technique cannot run here, or None."""
+        for technique in self.techniques:
+            reason = technique.check(profile, workload, mode)
+            if reason:
+                return f"{technique.id}: {reason}"
+        return None
+
+    def apply(self, run: Run) -> Run:
+        for technique in self.techniques:
+            technique.apply(run)
+        return run
+
+
+def technique_names() -> list[str]:
+    return [BASELINE, *TECHNIQUES]
+
+
+def parse_stack(text: str) -> Stack:
+    """Parse `a+b+c` into a Stack in phase order.
+
+    ValueError (one line) for unknown ids (with the closest names), repeats, `baseline` mixed with
+    others, and self-contradictory stacks (two techniques of one exclusive group, e.g. two precisions).
+    """
+    text = text.strip()
+    if not text:
+        raise ValueError("empty technique stack; write e.g. 'baseline' or 'amp-bf16+checkpointing'")
+    parts = [p.strip() for p in text.split("+")]
+    if parts == [BASELINE]:
+        return Stack(())
+    techniques: list[Technique] = []
+    for part in parts:
+        if part == BASELINE:
+            raise ValueError(f"'baseline' means no technique and cannot be stacked: {text!r}")
+        if part not in TECHNIQUES:
+            close = difflib.get_close_matches(part, technique_names(), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"unknown technique {part!r} in stack {text!r}{hint} "
+                             f"(valid: {', '.join(technique_names())})")
+        technique = TECHNIQUES[part]
+        if technique in techniques:
+            raise ValueError(f"technique {part!r} appears twice in stack {text!r}")
+        clash = next((t for t in techniques if t.exclusive and t.exclusive == technique.exclusive), None)
+        if clash:
+            raise ValueError(f"incompatible stack {text!r}: {clash.id} and {part} are both "
+                             f"{technique.exclusive} techniques; pick one")
+        techniques.append(technique)
+    techniques.sort(key=lambda t: t.phase)
+    return Stack(tuple(techniques))
+
+
+__all__ = ["BASELINE", "TECHNIQUES", "Phase", "Run", "Stack", "Technique", "Unsupported",
+           "parse_stack", "register", "technique_names"]

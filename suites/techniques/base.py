@@ -1,0 +1,114 @@
+"""The technique contract: a named, checkable transform of a training or inference run.
+
+A technique says whether it can run on a GPU profile for a workload (`check` -> None or the reason),
+and `apply` changes the `Run` (model structure, step settings, environment). Stacks such as
+`amp-bf16+checkpointing` apply their techniques in phase order, the order torchtitan documents:
+structure -> parallelism -> checkpointing -> compile -> data parallel -> step level -> runtime.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # profiles are a contract; only their type is needed here
+    from harness.profiles import GpuProfile
+    from suites.workloads.base import SizeSpec, Workload
+
+
+class Phase(enum.IntEnum):
+    """Where in the build a technique acts; a stack applies lower phases first."""
+
+    STRUCTURE = 0      # sharing, low-rank, pruning, quantisation: change the model itself
+    PARALLEL = 1       # tensor / sequence / expert parallelism
+    CHECKPOINT = 2     # activation recomputation wraps the (possibly parallelised) blocks
+    COMPILE = 3
+    DATA_PARALLEL = 4  # FSDP / DDP wrap last among model transforms
+    STEP = 5           # autocast, loss scaling, accumulation: how a step runs
+    RUNTIME = 6        # allocator and environment settings, fixed before the device starts
+
+
+class Unsupported(Exception):
+    """Raised by `apply` when the run cannot take the technique; becomes an `unsupported` row."""
+
+
+@dataclass
+class Run:
+    """Everything a stack may change about one cell before it is measured.
+
+    Attributes:
+        workload, size, mode, profile: what is run where (read-only for techniques).
+        model: the nn.Module (techniques may replace or rewrap it).
+        batch_size: samples per optimizer step.
+        micro_batches: the batch is split into this many forward/backward passes per step.
+        autocast_dtype: dtype for torch.autocast, None for full precision.
+        loss_scaling: dynamic loss scaling (GradScaler) for fp16.
+        precision: label recorded in the row (`fp32`, `bf16-mixed`, ...).
+        optimizer_factory: parameters -> optimizer (AdamW by default, as in nanoGPT and torchtitan).
+        env: environment variables the cell process must have before the device starts.
+        notes: facts worth recording in the row's reason/notes.
+    """
+
+    workload: Workload
+    size: SizeSpec
+    mode: str
+    profile: GpuProfile
+    model: nn.Module
+    batch_size: int
+    micro_batches: int = 1
+    autocast_dtype: torch.dtype | None = None
+    loss_scaling: bool = False
+    precision: str = "fp32"
+    optimizer_factory: Callable[[Any], torch.optim.Optimizer] = field(
+        default=lambda params: torch.optim.AdamW(params, lr=1e-4))
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+Check = Callable[["GpuProfile", "Workload", str], "str | None"]
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One technique of the guide.
+
+    Attributes:
+        id: canonical id used in stacks (`amp-bf16`).
+        phase: where it acts in a stack.
+        changes_numerics: False when loss and gradients must equal the baseline's (tested).
+        summary: one line for `headroom techniques`.
+        check: (profile, workload, mode) -> None, or the specific reason it cannot run there.
+        apply: transforms the Run in place; raises Unsupported for run-specific limits.
+        exclusive: techniques sharing a group cannot be stacked (two precisions, say).
+        guide: the guide's id (T1...).
+    """
+
+    id: str
+    phase: Phase
+    changes_numerics: bool
+    summary: str
+    check: Check
+    apply: Callable[[Run], None]
+    exclusive: str | None = None
+    guide: str = ""
+
+
+def always(profile: GpuProfile, workload: Workload, mode: str) -> str | None:
+    """A check for techniques that run everywhere."""
+    return None
+
+
+def train_only(name: str) -> Check:
+    """A check for techniques that only change the backward pass."""
+
+    def check(profile: GpuProfile, workload: Workload, mode: str) -> str | None:
+        if mode != "train":
+            return f"{name} only affects training (inference keeps no activations for backward)"
+        return None
+
+    return check

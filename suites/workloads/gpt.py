@@ -1,0 +1,299 @@
+"""GPT: a decoder-only transformer that predicts each next token from the ones before it.
+
+Pre-norm blocks x + attn(norm(x)), x + mlp(norm(x)) with causal attention. Two families share the code:
+`gpt2` (GPT-2/GPT-3: learned positions, LayerNorm, GELU MLP 4x, biases, lm_head tied to the token
+embedding) and `llama` (Llama-2: rotary positions, RMSNorm, SwiGLU MLP, no biases, untied lm_head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from suites.workloads.base import Batch, SizeSpec, Workload
+
+FAMILIES = ("gpt2", "llama")
+
+
+def llama_hidden(n_embd: int, multiple_of: int = 256) -> int:
+    """SwiGLU width: 2/3 of 4d (so 3 matrices cost what 2 would), rounded up to `multiple_of`.
+
+    Source: Meta's llama/model.py FeedForward; gives 11008 for d=4096 and 13824 for d=5120.
+    """
+    hidden = int(2 * 4 * n_embd / 3)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab_size: int
+    block_size: int  # longest sequence; also the learned position table's length in `gpt2`
+    family: str = "gpt2"
+    ffn_hidden: int | None = None  # None: 4d for gpt2, llama_hidden(d) for llama
+    dropout: float = 0.0  # nanoGPT's default; raise it to measure the memory of dropout masks
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown family {self.family!r}; valid: {', '.join(FAMILIES)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if self.family == "llama" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"rotary embeddings need an even head size, got {self.n_embd // self.n_head}")
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 4 * self.n_embd if self.family == "gpt2" else llama_hidden(self.n_embd)
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.family == "gpt2":
+        return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
+    return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+
+
+def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate channel pairs (i, i + hd/2) of x [B, H, S, hd] by position-dependent angles (HF layout).
+
+    Computed on the fly rather than cached in a buffer so meta-built models need no re-initialisation.
+    """
+    seq, hd = x.shape[-2], x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    angles = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        bias = cfg.family == "gpt2"
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=bias)  # one matmul for q, k and v
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.rope_theta = cfg.rope_theta if cfg.family == "llama" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        heads = (B, S, self.n_head, D // self.n_head)
+        q, k, v = (t.view(heads).transpose(1, 2) for t in self.qkv(x).split(D, dim=2))
+        if self.rope_theta is not None:
+            q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, S, D)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d, h = cfg.n_embd, cfg.hidden
+        self.swiglu = cfg.family == "llama"
+        self.up = nn.Linear(d, h, bias=not self.swiglu)
+        self.gate = nn.Linear(d, h, bias=False) if self.swiglu else None
+        self.proj = nn.Linear(h, d, bias=not self.swiglu)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            h = F.silu(self.gate(x)) * self.up(x)
+        else:
+            h = F.gelu(self.up(x), approximate="tanh")  # GPT-2's "gelu_new"
+        return self.drop(self.proj(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1, self.attn = norm(cfg), CausalSelfAttention(cfg)
+        self.norm2, self.mlp = norm(cfg), MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.family == "gpt2" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = norm(cfg)
+        # gpt2 ties the output projection to wte by reading wte.weight in forward (no second
+        # Parameter to re-tie after a meta build is materialised); llama has its own matrix.
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False) if cfg.family == "llama" else None
+        self.apply(self._init_weights)
+        # GPT-2 paper: scale the init of projections into the residual stream by 1/sqrt(2 * layers).
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.shape[1]
+        if seq > self.cfg.block_size:
+            raise ValueError(f"sequence of {seq} tokens exceeds block_size {self.cfg.block_size}")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(seq, device=idx.device))
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm_f(x)
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.wte.weight)
+
+
+def _gpt2(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int = 50257) -> dict:
+    return dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, block_size=block_size)
+
+
+def _llama(n_layer: int, n_embd: int, n_head: int) -> dict:
+    # Llama-2: 32000-token vocabulary, 4096-token context, RMSNorm eps 1e-5 (Touvron et al. 2023).
+    return dict(
+        n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=32000, block_size=4096, family="llama"
+    )
+
+
+SIZES = {
+    s.name: s
+    for s in (
+        SizeSpec("smoke", "smoke", _gpt2(2, 64, 4, block_size=64, vocab_size=512), batch_size=4, seq_len=64),
+        SizeSpec(
+            "gpt2-124m",
+            "standard",
+            _gpt2(12, 768, 12, 1024),
+            batch_size=8,
+            seq_len=1024,
+            canonical_params=124_439_808,
+            canonical_source="HuggingFace gpt2 (tied lm_head counted once)",
+        ),
+        SizeSpec(
+            "gpt2-350m",
+            "large",
+            _gpt2(24, 1024, 16, 1024),
+            batch_size=8,
+            seq_len=1024,
+            canonical_params=354_823_168,
+            canonical_source="HuggingFace gpt2-medium (tied lm_head counted once)",
+        ),
+        SizeSpec(
+            "gpt2-1.3b",
+            "large",
+            _gpt2(24, 2048, 16, 2048),
+            batch_size=4,
+            seq_len=2048,
+            # Table 2.1 prints "1.3B" (two significant figures); these shapes count 1.316e9, 1.2% off.
+            canonical_params=1_300_000_000,
+            canonical_tolerance=0.015,
+            canonical_source="Brown et al. 2020, Table 2.1 (GPT-3 XL)",
+        ),
+        SizeSpec(
+            "gpt-7b",
+            "large",
+            _llama(32, 4096, 32),
+            batch_size=1,
+            seq_len=4096,
+            canonical_params=6_738_415_616,
+            canonical_source="HuggingFace meta-llama/Llama-2-7b-hf",
+        ),
+        SizeSpec(
+            "gpt-13b",
+            "large",
+            _llama(40, 5120, 40),
+            batch_size=1,
+            seq_len=4096,
+            canonical_params=13_015_864_320,
+            canonical_source="HuggingFace meta-llama/Llama-2-13b-hf",
+        ),
+        SizeSpec(
+            "gpt3-175b",
+            "large",
+            _gpt2(96, 12288, 96, 2048),
+            batch_size=1,
+            seq_len=2048,
+            # "175.0B" in Table 2.1; these shapes count 174.6e9, 0.2% off.
+            canonical_params=175_000_000_000,
+            canonical_tolerance=0.01,
+            canonical_source="Brown et al. 2020, Table 2.1 (GPT-3 175B)",
+        ),
+    )
+}
+
+
+def build(size: SizeSpec) -> nn.Module:
+    return GPT(GPTConfig(**size.config))
+
+
+def make_batch(size: SizeSpec, batch_size: int, generator: torch.Generator) -> Batch:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    # S + 1 random tokens: the inputs are the first S, the labels the last S (each position's next).
+    tokens = torch.randint(0, size.config["vocab_size"], (batch_size, size.seq_len + 1), generator=generator)
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+
+def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return model(batch["input_ids"])
+
+
+def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    logits = forward(model, batch)
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+def block_lists(model: nn.Module) -> list[nn.Module]:
+    return [model.blocks]
+
+
+def forward_flops_per_sample(size: SizeSpec) -> float:
+    cfg, seq = GPTConfig(**size.config), size.seq_len
+    d = cfg.n_embd
+    mlp_matrices = 3 if cfg.family == "llama" else 2
+    block_weights = 4 * d * d + mlp_matrices * d * cfg.hidden  # qkv + proj, then the MLP
+    # QK^T and AV are full S x S matmuls (2 * S * d FLOPs each per token): the math sdpa path computes
+    # the masked half too, and that is what FlopCounterMode counts.
+    attention = 4 * seq * d
+    per_token = cfg.n_layer * (2 * block_weights + attention) + 2 * d * cfg.vocab_size
+    return float(seq * per_token)
+
+
+def train_flops_per_sample(size: SizeSpec) -> float:
+    # Backward computes each matmul's grad for both operands, 2x forward; every input needs a grad since
+    # the activations descend from the (trainable) token embedding.
+    return 3 * forward_flops_per_sample(size)
+
+
+WORKLOAD = Workload(
+    name="gpt",
+    kind="decoder",
+    sizes=SIZES,
+    build=build,
+    batch=make_batch,
+    loss=loss,
+    forward=forward,
+    block_lists=block_lists,
+    forward_flops_per_sample=forward_flops_per_sample,
+    train_flops_per_sample=train_flops_per_sample,
+    accuracy_metric="next-token-accuracy",
+)

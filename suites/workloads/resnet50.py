@@ -1,0 +1,123 @@
+"""ResNet-50: an image classifier built from 16 bottleneck blocks (1x1 reduce, 3x3, 1x1 expand x4).
+
+A 7x7 stride-2 stem and a max-pool quarter the image, four stages of [3, 4, 6, 3] blocks halve it
+three more times, and a global average pool feeds one linear classifier. torchvision's v1.5 puts the
+stride on the 3x3 conv of a stage's first block, which is what we count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from suites.workloads.base import Batch, SizeSpec, Workload
+
+# (width, blocks, stride) of the four stages; outputs are 4x the width (He et al. 2015, Table 1).
+STAGES = ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))
+EXPANSION = 4
+
+SIZES = {
+    "smoke": SizeSpec(
+        name="smoke",
+        scale="smoke",
+        config={"num_classes": 1000},
+        batch_size=4,
+        image_size=32,
+        # The image size does not change the weights, so even the smoke size is the full network.
+        canonical_params=25_557_032,
+        canonical_source="torchvision docs, ResNet50_Weights.IMAGENET1K_V1 num_params",
+    ),
+    "resnet50": SizeSpec(
+        name="resnet50",
+        scale="standard",
+        config={"num_classes": 1000},
+        batch_size=32,
+        image_size=224,
+        canonical_params=25_557_032,
+        canonical_source="torchvision docs, ResNet50_Weights.IMAGENET1K_V1 num_params",
+    ),
+}
+
+
+def build(size: SizeSpec) -> nn.Module:
+    return torchvision.models.resnet50(weights=None, num_classes=size.config["num_classes"])
+
+
+def make_batch(size: SizeSpec, batch_size: int, generator: torch.Generator) -> Batch:
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    n = size.image_size
+    images = torch.randn(batch_size, 3, n, n, generator=generator)
+    labels = torch.randint(0, size.config["num_classes"], (batch_size,), generator=generator)
+    return {"images": images, "labels": labels}
+
+
+def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return model(batch["images"])
+
+
+def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(forward(model, batch), batch["labels"])
+
+
+def block_lists(model: nn.Module) -> list[nn.Module]:
+    return [model.layer1, model.layer2, model.layer3, model.layer4]
+
+
+def _out(n: int, kernel: int, stride: int, padding: int) -> int:
+    """Output side of a conv or pool (PyTorch's formula, floor rounding, no dilation)."""
+    return (n + 2 * padding - kernel) // stride + 1
+
+
+def _conv(c_in: int, c_out: int, kernel: int, n_out: int) -> int:
+    """FLOPs of a square conv: 2 per multiply-accumulate, one MAC per weight per output pixel."""
+    return 2 * c_in * c_out * kernel * kernel * n_out * n_out
+
+
+def _flops(size: SizeSpec) -> tuple[int, int]:
+    """(forward FLOPs of one image, of which the stem conv's), walking the architecture."""
+    n = _out(size.image_size, 7, 2, 3)
+    stem = _conv(3, 64, 7, n)
+    total = stem
+    n = _out(n, 3, 2, 1)  # max-pool: no FLOPs counted, only the resolution changes
+    c_in = 64
+    for width, blocks, stride in STAGES:
+        for i in range(blocks):
+            s = stride if i == 0 else 1
+            n_out = _out(n, 3, s, 1)
+            total += _conv(c_in, width, 1, n)  # reduce, at the input resolution
+            total += _conv(width, width, 3, n_out)  # the 3x3 carries the stride (v1.5)
+            total += _conv(width, width * EXPANSION, 1, n_out)  # expand
+            if i == 0:  # the shortcut needs a 1x1 projection when channels or resolution change
+                total += _conv(c_in, width * EXPANSION, 1, _out(n, 1, s, 0))
+            c_in, n = width * EXPANSION, n_out
+    total += 2 * c_in * size.config["num_classes"]  # fc after the global average pool
+    return total, stem
+
+
+def forward_flops_per_sample(size: SizeSpec) -> float:
+    return float(_flops(size)[0])
+
+
+def train_flops_per_sample(size: SizeSpec) -> float:
+    # Backward costs each conv/linear twice its forward (grad of the input and of the weight), except
+    # the stem conv, whose input is the image and needs no grad.
+    total, stem = _flops(size)
+    return float(3 * total - stem)
+
+
+WORKLOAD = Workload(
+    name="resnet50",
+    kind="vision",
+    sizes=SIZES,
+    build=build,
+    batch=make_batch,
+    loss=loss,
+    forward=forward,
+    block_lists=block_lists,
+    forward_flops_per_sample=forward_flops_per_sample,
+    train_flops_per_sample=train_flops_per_sample,
+    accuracy_metric="top1",
+)
