@@ -49,11 +49,12 @@ class MeasureSettings:
 def base_record(cell: Cell, run_id: str, source: str, status: str, reason: str = "", **values) -> Record:
     """A row with the cell's identity and provenance filled in."""
     workload = get_workload(cell.workload)
-    spec = workload.sizes[cell.size]
+    spec = workload.sizes.get(cell.size)
     return Record(
         run_id=run_id, workload=cell.workload, size=cell.size, mode=cell.mode, technique=cell.technique,
         gpu=cell.gpu, source=source, status=status, reason=reason, cell_id=cell.cell_id,
-        batch_size=cell.batch_size, seq_len=spec.seq_len, image_size=spec.image_size,
+        batch_size=cell.batch_size, seq_len=spec.seq_len if spec else None,
+        image_size=spec.image_size if spec else None,
         accuracy_metric=workload.accuracy_metric or None, torch_version=torch.__version__,
         cuda_version=torch.version.cuda if torch.cuda.is_available() else None, git_sha=git_sha(),
         hostname=socket.gethostname(), created_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -149,11 +150,11 @@ def _device_name(device: torch.device) -> str:
 def main(argv: list[str]) -> int:
     """Child-process entry: read the cell spec, measure, write the row; failures become rows too."""
     spec_path, result_path = argv
-    spec = json.loads(open(spec_path, encoding="utf-8").read())
+    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     cell = Cell(**spec["cell"])
-    profiles = load_profiles(spec.get("profiles_dir"))
-    settings = MeasureSettings(**spec["settings"])
     try:
+        profiles = load_profiles(spec.get("profiles_dir"))
+        settings = MeasureSettings(**spec["settings"])
         record = measure_cell(cell, profiles[cell.gpu], spec["run_id"], settings)
     except BaseException as exc:  # the row must say what happened, whatever it was
         detail = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[0][:500]

@@ -33,6 +33,8 @@ class RunOptions:
     cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S
     settings: MeasureSettings = MeasureSettings()
     profiles_dir: str | None = None
+    # The module run as `python -m <cell_entry> SPEC RESULT`; tests swap in one that misbehaves.
+    cell_entry: str = "harness.cell"
 
 
 def run_isolated(cell: Cell, options: RunOptions) -> Record:
@@ -44,7 +46,7 @@ def run_isolated(cell: Cell, options: RunOptions) -> Record:
             "profiles_dir": options.profiles_dir}))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                                          os.environ.get("PYTHONPATH")])))
-        command = [sys.executable, "-m", "harness.cell", str(spec_path), str(result_path)]
+        command = [sys.executable, "-m", options.cell_entry, str(spec_path), str(result_path)]
         started = time.perf_counter()
         # Own process group, so a timeout kills the cell and anything it started.
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

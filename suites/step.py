@@ -50,12 +50,15 @@ class Step:
     def _train_step(self, batch: Batch, mark: Mark) -> torch.Tensor:
         run, optimizer = self.run, self.optimizer
         optimizer.zero_grad(set_to_none=True)
+        parts = run.micro_batches
         total = None
-        for micro in split_batch(batch, run.micro_batches):
+        for micro in split_batch(batch, parts):
             if mark:
                 mark("forward_start")
             with self.autocast():
-                loss = run.workload.loss(self.model, micro) / run.micro_batches
+                loss = run.workload.loss(self.model, micro)
+                if parts > 1:
+                    loss = loss / parts
             if mark:
                 mark("forward_end")
             (self.scaler.scale(loss) if self.scaler else loss).backward()

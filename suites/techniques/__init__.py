@@ -91,7 +91,8 @@ def parse_stack(text: str) -> Stack:
             raise ValueError(f"incompatible stack {text!r}: {clash.id} and {part} are both "
                              f"{technique.exclusive} techniques; pick one")
         techniques.append(technique)
-    techniques.sort(key=lambda t: t.phase)
+    # Phase order, then id within a phase, so every spelling of a stack has one canonical name.
+    techniques.sort(key=lambda t: (t.phase, t.id))
     return Stack(tuple(techniques))
 
 

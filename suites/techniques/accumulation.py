@@ -6,6 +6,8 @@ equal micro-batches), while activation memory is that of one micro-batch.
 
 from __future__ import annotations
 
+from torch.nn.modules.batchnorm import _BatchNorm
+
 from suites.techniques.base import Phase, Run, Technique, Unsupported, train_only
 
 DEFAULT_MICRO_BATCHES = 4
@@ -18,6 +20,8 @@ def _apply(run: Run) -> None:
                           f"batch size {run.batch_size} is not divisible by {n}")
     run.micro_batches = n
     run.notes.append(f"{n} micro-batches of {run.batch_size // n}")
+    if any(isinstance(m, _BatchNorm) for m in run.model.modules()):
+        run.notes.append("batch norm normalises each micro-batch separately, so numerics differ from one batch")
 
 
 GRAD_ACCUMULATION = Technique(

@@ -156,9 +156,13 @@ def make_batch(size: SizeSpec, batch_size: int, generator: torch.Generator) -> B
     # Two segments per sample, split at a random point, as in next-sentence pairs.
     split = torch.randint(1, max(seq, 2), (batch_size, 1), generator=generator)
     token_type_ids = (torch.arange(seq) >= split).long()
+    # The same number of targets in every sample (15% of the positions, at least one), as BERT's
+    # pre-training data fixes max_predictions_per_seq: then the mean loss over any equal split of
+    # the batch averages to the whole batch's mean, so gradient accumulation preserves numerics.
+    targets = max(1, round(MASK_PROB * seq))
     draw = torch.rand(batch_size, seq, generator=generator)
-    masked = draw < MASK_PROB
-    masked[torch.arange(batch_size), draw.argmin(dim=1)] = True  # at least one target per sample
+    chosen = draw.topk(targets, dim=1).indices
+    masked = torch.zeros(batch_size, seq, dtype=torch.bool).scatter_(1, chosen, True)
     labels = torch.where(masked, input_ids, IGNORE)
     input_ids = torch.where(masked, mask_token_id(vocab), input_ids)
     return {"input_ids": input_ids, "token_type_ids": token_type_ids, "labels": labels}

@@ -1,0 +1,81 @@
+"""The `headroom` command: an end-to-end run on this machine, listings, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from harness.cli import main
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    code = main(["run", "--workload", "gpt", "--technique", "baseline,checkpointing", "--mode", "train,infer",
+                 "--repeats", "1", "--out", str(out)])
+    return code, out
+
+
+def test_run_writes_frame_csv_and_report(small_run):
+    code, out = small_run
+    assert code == 0
+    frame = pd.read_parquet(out / "results.parquet")
+    csv = pd.read_csv(out / "results.csv")
+    assert len(frame) == len(csv) == 4
+    assert set(frame["status"]) == {"ok", "unsupported"}
+    ok = frame[frame["status"] == "ok"]
+    assert len(ok) == 3 and set(ok["source"]) == {"measured"} and set(ok["gpu"]) == {"cpu"}
+    assert (ok["timed_steps"] >= 10).all()
+    assert (ok["step_time_ms_p90"] >= ok["step_time_ms_p50"]).all()
+    assert (ok["peak_allocated_bytes"] >= ok["params_bytes"]).all()
+    # No price and no peak FLOP/s are known for a host CPU: MFU and cost stay empty, not 0.
+    assert ok["mfu"].isna().all() and ok["usd_per_million_samples"].isna().all()
+    html = (out / "report.html").read_text()
+    assert "<h2>gpt</h2>" in html and "checkpointing" in html
+
+
+def test_checkpointing_holds_fewer_activation_bytes(small_run):
+    _, out = small_run
+    frame = pd.read_parquet(out / "results.parquet").set_index(["mode", "technique"])
+    base = frame.loc[("train", "baseline")]
+    ckpt = frame.loc[("train", "checkpointing")]
+    assert ckpt["activations_bytes"] < base["activations_bytes"]
+    assert ckpt["params_bytes"] == base["params_bytes"]
+
+
+def test_report_merges_results(small_run, tmp_path, capsys):
+    _, out = small_run
+    target = tmp_path / "merged.html"
+    assert main(["report", str(out), str(out / "results.csv"), "--out", str(target)]) == 0
+    assert target.read_text().count("<h2>gpt</h2>") == 1
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["run", "--workload", "gtp"], "did you mean 'gpt'"),
+    (["run", "--technique", "amp-bf17"], "did you mean amp-bf16"),
+    (["run", "--technique", "amp-bf16+amp-fp16"], "incompatible stack"),
+    (["run", "--gpu", "a1000"], "unknown GPU 'a1000'"),
+    (["run", "--gpu", "a100"], "no a100-pcie-40gb"),
+    (["run", "--scale", "huge"], "unknown scale 'huge'"),
+    (["run", "--size", "gpt2-9b"], "unknown size 'gpt2-9b'"),
+    (["run", "--mode", "serve"], "unknown mode 'serve'"),
+    (["run", "--steps", "3"], "at least 10"),
+    (["run", "--out", "/proc/headroom"], "not writable"),
+    (["report", "README.md", "--out", "x.html"], "not a results file"),
+    (["frobnicate"], "invalid choice"),
+    (["run", "--cell-timeout", "soon"], "invalid float value"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(argv, fragment, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("headroom: error:")
+    assert fragment in err
+    assert "Traceback" not in err
+
+
+def test_listings(capsys):
+    for command in ("profiles", "techniques", "workloads", "env"):
+        assert main([command]) == 0
+    out = capsys.readouterr().out
+    assert "a100-sxm4-80gb" in out and "grad-accumulation" in out and "gpt3-175b" in out
+    assert "torch_version" in out and "nvml" in out

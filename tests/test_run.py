@@ -1,0 +1,72 @@
+"""The runner: every way a cell can fail becomes a row with its cause, and the run goes on."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.plan import Cell
+from harness.profiles import load_profiles
+from harness.records import ResultsStore
+from harness.run import RunOptions, run_plan
+
+PROFILES = load_profiles()
+
+
+def _cell(behaviour: str) -> Cell:
+    return Cell(workload="gpt", size=behaviour, mode="train", technique="baseline", gpu="cpu", batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory):
+    """One run through the real runner over cells that raise, OOM, crash, exit and hang."""
+    store = ResultsStore(tmp_path_factory.mktemp("faulty"))
+    store.prepare()
+    options = RunOptions(run_id="test", cell_timeout_s=8, cell_entry="tests.faulty_cell")
+    cells = [_cell(b) for b in ("raise", "oom", "segfault", "exit", "hang")]
+    records = run_plan(cells, PROFILES, store, options)
+    return {r.size: r for r in records}, store
+
+
+@pytest.mark.parametrize("behaviour, status, cause", [
+    ("raise", "error", "KeyError: 'injected failure'"),
+    ("oom", "oom", "OutOfMemoryError"),
+    ("segfault", "error", "SIGSEGV"),
+    ("exit", "error", "exited with code 3"),
+    ("hang", "timeout", "exceeded --cell-timeout 8 s"),
+])
+def test_each_failure_becomes_a_row_naming_its_cause(faulty_run, behaviour, status, cause):
+    records, _ = faulty_run
+    record = records[behaviour]
+    assert record.status == status
+    assert cause in record.reason
+    assert record.source == "measured" and record.peak_allocated_bytes is None
+
+
+def test_the_run_goes_on_and_every_row_is_stored(faulty_run):
+    records, store = faulty_run
+    assert len(records) == 5
+    frame = store.write_frame()
+    assert sorted(frame["size"]) == sorted(records)
+    assert (store.root / "results.parquet").exists() and (store.root / "results.csv").exists()
+
+
+def test_resume_skips_recorded_cells(tmp_path):
+    store = ResultsStore(tmp_path)
+    store.prepare()
+    options = RunOptions(run_id="first", cell_timeout_s=30, cell_entry="tests.faulty_cell")
+    run_plan([_cell("exit")], PROFILES, store, options)
+    seen = []
+    again = run_plan([_cell("exit"), _cell("raise")], PROFILES, store, options, resume=True,
+                     on_done=lambda i, n, cell, record: seen.append((cell.size, record is None)))
+    assert [r.size for r in again] == ["raise"]
+    assert seen == [("exit", True), ("raise", False)]
+    assert len(store.rows()) == 2
+
+
+def test_unsupported_cells_are_rows_without_a_process(tmp_path):
+    store = ResultsStore(tmp_path)
+    store.prepare()
+    cell = Cell(workload="gpt", size="exit", mode="infer", technique="checkpointing", gpu="cpu", batch_size=4)
+    # Started, this cell's process would exit with code 3 (an `error` row): unsupported cells start none.
+    [record] = run_plan([cell], PROFILES, store, RunOptions(run_id="t", cell_entry="tests.faulty_cell"))
+    assert record.status == "unsupported" and "training" in record.reason
