@@ -25,7 +25,7 @@ from harness.measure.timing import time_steps
 from harness.plan import Cell
 from harness.profiles import GpuProfile, load_profiles
 from harness.provenance import git_sha
-from harness.records import Record, atomic_write_text
+from harness.records import DEFAULT_NOISE_THRESHOLD, Record, atomic_write_text
 from suites.step import Step
 from suites.techniques import Run, Unsupported
 from suites.workloads import get_workload
@@ -38,12 +38,13 @@ PEAK_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
 @dataclass(frozen=True)
 class MeasureSettings:
-    """How hard to measure: warm-up steps, timed steps per repeat, repeats."""
+    """How hard to measure: warm-up steps, timed steps per repeat, repeats, and when a cell is noisy."""
 
     warmup: int = 2
     steps: int = 10
     repeats: int = 3
     seed: int = 0
+    noise_threshold: float = DEFAULT_NOISE_THRESHOLD
 
 
 def base_record(cell: Cell, run_id: str, source: str, status: str, reason: str = "", **values) -> Record:
@@ -133,7 +134,8 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
         optimizer_bytes=optimizer_state_bytes(step.optimizer), activations_bytes=activations,
         param_count=count_parameters(run.model),
         step_time_ms_p50=timing.percentile_ms(0.5), step_time_ms_p90=timing.percentile_ms(0.9),
-        step_time_cv=timing.cv, timed_steps=len(timing.step_s), throughput_samples_s=throughput,
+        step_time_cv=timing.cv, noisy=timing.cv > settings.noise_threshold if timing.cv is not None else None,
+        timed_steps=len(timing.step_s), throughput_samples_s=throughput,
         tokens_per_s=tokens_per_s, flops_per_step=flops_per_sample * cell.batch_size,
         mfu=flops_per_sample * throughput / peak if peak else None,
         usd_per_million_samples=usd_per_sample * 1e6 if usd_per_sample else None,

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="seconds per cell (default 600)")
     run.add_argument("--warmup", type=int, default=2)
     run.add_argument("--steps", type=int, default=10, help="timed steps per repeat (at least 10)")
-    run.add_argument("--repeats", type=int, default=3)
+    run.add_argument("--repeats", type=int, default=3, help="timed loops per cell (their spread flags noise)")
+    run.add_argument("--noise-threshold", type=float, default=None, metavar="CV",
+                     help="flag a cell noisy above this coefficient of variation (default 0.05)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in --out")
     run.add_argument("--require-device", action="store_true",
                      help="refuse instead of projecting when a requested GPU is not this machine's")
@@ -98,7 +100,7 @@ def cmd_run(args) -> int:
     from harness.cell import MeasureSettings
     from harness.plan import expand
     from harness.profiles import detect_local, resolve_gpus
-    from harness.records import ResultsStore
+    from harness.records import DEFAULT_NOISE_THRESHOLD, ResultsStore
     from harness.run import DEFAULT_CELL_TIMEOUT_S, RunOptions, run_plan
     from suites.techniques import technique_names
     from suites.workloads import WORKLOADS
@@ -127,7 +129,8 @@ def cmd_run(args) -> int:
     store = ResultsStore(out)
     store.prepare()
     options = RunOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
-                         settings=MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats),
+                         settings=MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats,
+                                                  noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD),
                          profiles_dir=args.profiles)
     console.print(f"headroom run {run_id}: {len(cells)} cells on {local.name} ({local.id}), scale {scale} "
                   f"-> {out}" + (" [measured]" if local.vendor == "cpu" else ""))
@@ -139,8 +142,9 @@ def cmd_run(args) -> int:
             console.print(f"[{index}/{total}] {cell.describe()}: already recorded, skipped")
             return
         detail = (f"p50 {record.step_time_ms_p50:.2f} ms, {record.throughput_samples_s:.1f} samples/s, "
-                  f"peak {record.peak_allocated_bytes / 2**20:.1f} MiB" if record.status == "ok"
-                  else record.reason)
+                  f"peak {record.peak_allocated_bytes / 2**20:.1f} MiB" + (
+                      f", NOISY (cv {record.step_time_cv:.1%})" if record.noisy else "")
+                  if record.status == "ok" else record.reason)
         console.print(f"[{index}/{total} {elapsed:5.0f}s] {cell.describe()}: {record.status}  {detail}")
 
     records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume)

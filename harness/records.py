@@ -18,7 +18,10 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# A measured cell whose repeats' mean step times vary by more than this (coefficient of variation)
+# is flagged `noisy`: its timings are not to be trusted to a few percent.
+DEFAULT_NOISE_THRESHOLD = 0.05
 STATUSES = ("ok", "oom", "unsupported", "error", "timeout")
 SOURCES = ("measured", "projected")
 
@@ -57,6 +60,7 @@ class Record:
     step_time_ms_p50: float | None = None
     step_time_ms_p90: float | None = None
     step_time_cv: float | None = None
+    noisy: bool | None = None
     timed_steps: int | None = None
     throughput_samples_s: float | None = None
     tokens_per_s: float | None = None
@@ -95,6 +99,7 @@ class Record:
 COLUMNS = [f.name for f in fields(Record)]
 _INT_COLUMNS = [f.name for f in fields(Record) if f.type in ("int | None", "int")]
 _FLOAT_COLUMNS = [f.name for f in fields(Record) if f.type == "float | None"]
+_BOOL_COLUMNS = [f.name for f in fields(Record) if f.type == "bool | None"]
 
 
 def records_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -104,9 +109,40 @@ def records_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         frame[column] = pd.to_numeric(frame[column]).astype("Int64")
     for column in _FLOAT_COLUMNS:
         frame[column] = pd.to_numeric(frame[column]).astype("Float64")
+    for column in _BOOL_COLUMNS:
+        frame[column] = frame[column].map(_to_bool, na_action="ignore").astype("boolean")
     for column in COLUMNS:
-        if column not in _INT_COLUMNS and column not in _FLOAT_COLUMNS:
+        if column not in _INT_COLUMNS + _FLOAT_COLUMNS + _BOOL_COLUMNS:
             frame[column] = frame[column].astype("string")
+    return frame
+
+
+def _to_bool(value: Any) -> bool:
+    """Booleans as they come back from CSV (`True`/`False` text) or Parquet (bool)."""
+    if isinstance(value, str):
+        if value not in ("True", "False"):
+            raise ValueError(f"expected True or False, got {value!r}")
+        return value == "True"
+    return bool(value)
+
+
+def _v1_to_v2(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 2 added `noisy`: derive it from the coefficient of variation v1 already recorded."""
+    cv = pd.to_numeric(frame["step_time_cv"], errors="coerce")
+    frame["noisy"] = [None if pd.isna(v) else bool(v > DEFAULT_NOISE_THRESHOLD) for v in cv]
+    frame["schema_version"] = 2
+    return frame
+
+
+# version -> function taking a frame of that version to the next one.
+MIGRATIONS = {1: _v1_to_v2}
+
+
+def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:
+    """Bring a frame written by schema `version` up to SCHEMA_VERSION, one step at a time."""
+    while version < SCHEMA_VERSION:
+        frame = MIGRATIONS[version](frame)
+        version += 1
     return frame
 
 
@@ -184,11 +220,14 @@ def read_results(path: Path) -> pd.DataFrame:
     missing = [c for c in ("schema_version", "workload", "technique", "source", "status") if c not in frame]
     if missing:
         raise ValueError(f"{path}: not a headroom results file (missing columns: {', '.join(missing)})")
-    versions = set(pd.to_numeric(frame["schema_version"], errors="coerce").dropna().astype(int))
-    unknown = versions - {SCHEMA_VERSION}
+    versions = pd.to_numeric(frame["schema_version"], errors="coerce")
+    known = set(range(1, SCHEMA_VERSION + 1))
+    unknown = sorted(set(versions.dropna().astype(int)) - known) or (["missing"] if versions.isna().any() else [])
     if unknown:
-        raise ValueError(f"{path}: schema version {sorted(unknown)} is not known to this headroom "
-                         f"(it reads version {SCHEMA_VERSION}); upgrade headroom")
+        raise ValueError(f"{path}: schema version {unknown[0]} is not known to this headroom "
+                         f"(it reads versions 1 to {SCHEMA_VERSION}); upgrade headroom")
+    frame = pd.concat([migrate(part.copy(), int(version)) for version, part in frame.groupby(versions.astype(int))])
+    frame = frame.sort_index()
     for column in COLUMNS:
         if column not in frame:
             frame[column] = None

@@ -50,7 +50,7 @@ def run_isolated(cell: Cell, options: RunOptions) -> Record:
         started = time.perf_counter()
         # Own process group, so a timeout kills the cell and anything it started.
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   text=True, start_new_session=True)
+                                   text=True, start_new_session=True, preexec_fn=_die_with_parent)
         try:
             _, stderr = process.communicate(timeout=options.cell_timeout_s)
         except subprocess.TimeoutExpired:
@@ -63,6 +63,16 @@ def run_isolated(cell: Cell, options: RunOptions) -> Record:
             return Record(**json.loads(result_path.read_text(encoding="utf-8")))
         return base_record(cell, options.run_id, "measured", *_crash_reason(process.returncode, stderr),
                            wall_time_s=time.perf_counter() - started)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGKILL it when the runner dies (even by SIGKILL), so a
+    killed run leaves no orphan cell computing on. No portable API exists, hence prctl via ctypes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _crash_reason(returncode: int, stderr: str) -> tuple[str, str]:

@@ -44,3 +44,8 @@ def usd(value) -> str:
 
 def text(value) -> str:
     return EMPTY if _missing(value) or value == "" else str(value)
+
+
+def flag(value, label: str) -> str:
+    """`label` where a boolean flag is set, the empty mark where it is unset or unknown."""
+    return label if not _missing(value) and bool(value) else EMPTY
