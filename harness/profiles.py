@@ -9,7 +9,9 @@ folder named by `--profiles DIR` or `HEADROOM_PROFILES`.
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,12 +107,13 @@ _INTERCONNECT = {"gpu_link": str, "gpu_link_gb_s": (int, float), "host_link": st
 
 
 def _fail(path: Path, field_name: str, expected: str) -> ProfileError:
-    return ProfileError(f"{path}: field '{field_name}': expected {expected}")
+    # repr() keeps the message on one line whatever the TOML key holds.
+    return ProfileError(f"{path}: field {field_name!r}: expected {expected}")
 
 
 def _positive(path: Path, name: str, value: Any, expected: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise _fail(path, name, f"{expected}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise _fail(path, name, f"{expected} (finite), got {value!r}")
     return value
 
 
@@ -169,7 +172,10 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
             raise _fail(path, f"price.{sorted(extra)[0]}", "no such field; valid: usd_per_hour, date, source")
 
     sources = data.get("sources", {})
-    runtime = set(data.get("measured_at_runtime", []))
+    runtime_fields = data.get("measured_at_runtime", [])
+    if not all(isinstance(f, str) and f in _TOP_LEVEL for f in runtime_fields):
+        raise _fail(path, "measured_at_runtime", "a list of field names of this file")
+    runtime = set(runtime_fields)
     for key in _SOURCED:
         if key in data and key not in runtime and not isinstance(sources.get(key), str):
             raise _fail(path, f"sources.{key}", f"a source for '{key}' (every figure cites where it came from)")
@@ -199,8 +205,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
 
 
 def _is_cc(value: str) -> bool:
-    parts = value.split(".")
-    return len(parts) == 2 and all(p.isdigit() for p in parts)
+    return re.fullmatch(r"[0-9]+\.[0-9]+", value) is not None
 
 
 def _flops_table(path: Path, section: str, table: dict[str, Any]) -> dict[str, float]:

@@ -8,6 +8,7 @@ resumed run knows what is done; the frame (`results.parquet`, `results.csv`) is 
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import os
@@ -100,21 +101,30 @@ COLUMNS = [f.name for f in fields(Record)]
 _INT_COLUMNS = [f.name for f in fields(Record) if f.type in ("int | None", "int")]
 _FLOAT_COLUMNS = [f.name for f in fields(Record) if f.type == "float | None"]
 _BOOL_COLUMNS = [f.name for f in fields(Record) if f.type == "bool | None"]
+_STR_COLUMNS = [f.name for f in fields(Record) if f.type == "str"]
+_OPTIONAL_STR_COLUMNS = [f.name for f in fields(Record) if f.type == "str | None"]
 
 
 def records_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """A frame with every column in schema order and nullable dtypes (so None stays empty, not 0/NaN)."""
-    frame = pd.DataFrame(rows, columns=COLUMNS)
+    # Object dtype first: letting pandas infer would turn ints beside None into floats (losing > 2**53).
+    frame = pd.DataFrame(rows, columns=COLUMNS, dtype=object)
     for column in _INT_COLUMNS:
-        frame[column] = pd.to_numeric(frame[column]).astype("Int64")
+        frame[column] = pd.array([None if _is_missing(v) else int(v) for v in frame[column]], dtype="Int64")
     for column in _FLOAT_COLUMNS:
-        frame[column] = pd.to_numeric(frame[column]).astype("Float64")
+        frame[column] = pd.array([None if _is_missing(v) else float(v) for v in frame[column]], dtype="Float64")
     for column in _BOOL_COLUMNS:
-        frame[column] = frame[column].map(_to_bool, na_action="ignore").astype("boolean")
-    for column in COLUMNS:
-        if column not in _INT_COLUMNS + _FLOAT_COLUMNS + _BOOL_COLUMNS:
-            frame[column] = frame[column].astype("string")
+        frame[column] = pd.array([None if _is_missing(v) else _to_bool(v) for v in frame[column]], dtype="boolean")
+    for column in _STR_COLUMNS:
+        # Required text is never missing (empty is ""); optional text is missing, never "".
+        frame[column] = frame[column].map(lambda v: "" if _is_missing(v) else str(v)).astype("string")
+    for column in _OPTIONAL_STR_COLUMNS:
+        frame[column] = frame[column].map(lambda v: None if _is_missing(v) or v == "" else str(v)).astype("string")
     return frame
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or value is pd.NA or (isinstance(value, float) and value != value)
 
 
 def _to_bool(value: Any) -> bool:
@@ -195,7 +205,8 @@ class ResultsStore:
         parquet_tmp = self.root / ".results.parquet.tmp"
         frame.to_parquet(parquet_tmp, index=False)
         os.replace(parquet_tmp, self.root / "results.parquet")
-        atomic_write_text(self.root / "results.csv", frame.to_csv(index=False))
+        # Quote every text field: a bare carriage return in a reason would otherwise end a CSV row.
+        atomic_write_text(self.root / "results.csv", frame.to_csv(index=False, quoting=csv.QUOTE_NONNUMERIC))
         return frame
 
 
@@ -226,8 +237,9 @@ def read_results(path: Path) -> pd.DataFrame:
     if unknown:
         raise ValueError(f"{path}: schema version {unknown[0]} is not known to this headroom "
                          f"(it reads versions 1 to {SCHEMA_VERSION}); upgrade headroom")
-    frame = pd.concat([migrate(part.copy(), int(version)) for version, part in frame.groupby(versions.astype(int))])
-    frame = frame.sort_index()
+    if len(frame):
+        parts = [migrate(part.copy(), int(version)) for version, part in frame.groupby(versions.astype(int))]
+        frame = pd.concat(parts).sort_index()
     for column in COLUMNS:
         if column not in frame:
             frame[column] = None

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 
 EMPTY = "–"
 
 
 def _missing(value) -> bool:
-    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):  # containers are not missing scalars
+        return False
 
 
 def bytes_(value) -> str:
@@ -19,7 +20,9 @@ def bytes_(value) -> str:
         return EMPTY
     value = float(value)
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
+        # Compare after rounding to one decimal, so 2**20 - 1 reads "1.0 MiB", not "1024.0 KiB"
+        # (bytes below 1 KiB are printed whole, so they need no rounding).
+        if abs(value) >= size or (size > 2**10 and round(abs(value) / size, 1) >= 1):
             return f"{value / size:.1f} {unit}"
     return f"{value:.0f} B"
 

@@ -1,0 +1,311 @@
+"""Report contract: escaping, self-contained output, one table per workload, the empty mark, the projected banner."""
+
+from __future__ import annotations
+
+import math
+import re
+from html.parser import HTMLParser
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harness.records import Record, records_frame
+from reports import format as fmt
+from reports.build import render, write_report
+
+XSS = "<script>alert(1)</script>"
+EMPTY = "–"
+MISSING_SPELLINGS = {"nan", "NaN", "None", "<NA>", "NaT", "null", "", "0", "0 B", "0.0%", "$0.00"}
+
+
+class Page(HTMLParser):
+    """The bits of a rendered report the tests look at: h2 headings, tables (headers + rows), banners, links."""
+
+    def __init__(self, html: str):
+        super().__init__(convert_charrefs=True)
+        self.events: list[tuple[str, object]] = []   # ("h2", text) | ("table", table dict)
+        self.banners: list[str] = []
+        self.attrs: list[tuple[str, str, str]] = []   # (tag, attribute, value)
+        self._text: list[str] | None = None
+        self._what: str | None = None
+        self._table: dict | None = None
+        self._row: list[str] | None = None
+        self.feed(html)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        for name, value in attrs:
+            self.attrs.append((tag, name, value or ""))
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "h2":
+            self._text, self._what = [], "h2"
+        elif tag == "p" and "banner" in classes:
+            self._text, self._what = [], "banner"
+        elif tag == "table":
+            self._table = {"headers": [], "rows": [], "row_classes": []}
+            self.events.append(("table", self._table))
+        elif tag == "tr" and self._table is not None:
+            self._row = []
+            self._table["row_classes"].append(classes)
+        elif tag in ("td", "th"):
+            self._text, self._what = [], tag
+
+    def handle_endtag(self, tag):
+        if tag in ("h2", "td", "th") and self._what == tag:
+            text = "".join(self._text)
+            if tag == "h2":
+                self.events.append(("h2", text))
+            elif tag == "th":
+                self._table["headers"].append(text)
+            else:
+                self._row.append(text)
+            self._text = self._what = None
+        elif tag == "p" and self._what == "banner":
+            self.banners.append("".join(self._text))
+            self._text = self._what = None
+        elif tag == "tr" and self._table is not None:
+            if self._row:
+                self._table["rows"].append(self._row)
+            else:
+                self._table["row_classes"].pop()
+            self._row = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        if self._text is not None:
+            self._text.append(data)
+
+    def sections(self) -> dict[str, list[dict]]:
+        """h2 text -> the tables between it and the next h2."""
+        out: dict[str, list[dict]] = {}
+        current = None
+        for kind, value in self.events:
+            if kind == "h2":
+                assert value not in out, f"heading {value!r} twice"
+                current = value
+                out[current] = []
+            elif current is not None:
+                out[current].append(value)
+        return out
+
+
+def _record(**kw) -> dict:
+    base = dict(run_id="run-1", workload="gpt", size="small", mode="train", technique="baseline", gpu="cpu",
+                source="measured", status="ok", reason="", notes="")
+    base.update(kw)
+    return Record(**base).to_dict()
+
+
+def _frame(rows: list[dict]) -> pd.DataFrame:
+    return records_frame(rows)
+
+
+def _hostile_frame() -> pd.DataFrame:
+    return _frame([
+        _record(cell_id="a", batch_size=32, precision="bf16", peak_allocated_bytes=1536,
+                peak_reserved_bytes=3 * 2**30, params_bytes=0, step_time_ms_p50=12.5, step_time_ms_p90=13.0,
+                throughput_samples_s=2560.0, tokens_per_s=327680.0, mfu=0.4, usd_per_million_samples=1.5,
+                device_name="cpu", torch_version="2.6.0", hostname="box"),
+        _record(cell_id="b", technique=f"{XSS}&", status="oom", reason=f"{XSS} & more", gpu="<i>gpu</i>"),
+        _record(cell_id="c", workload=f"{XSS} & co", status="error", reason="boom & <b>bold</b>",
+                run_id="run<2>&", hostname=XSS),
+        _record(cell_id="d", workload="resnet50", technique="amp", mfu=0.0, peak_allocated_bytes=0),
+        _record(cell_id="e", workload="resnet50", technique="baseline", status="unsupported", reason="needs a GPU"),
+    ])
+
+
+@pytest.fixture(scope="module")
+def hostile_html() -> str:
+    return render([_hostile_frame()])
+
+
+def test_hostile_names_are_escaped(hostile_html):
+    html = hostile_html
+    assert "<script" not in html.lower()
+    assert "<b>bold" not in html and "<i>gpu" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "&amp;" in html
+    # Every '&' left in the page starts an entity: nothing raw slipped through.
+    assert re.findall(r"&(?![a-zA-Z][a-zA-Z0-9]*;|#[0-9]+;|#x[0-9a-fA-F]+;)", html) == []
+    # Escaped once, not twice: the parsed text is the original.
+    page = Page(html)
+    sections = page.sections()
+    assert f"{XSS} & co" in sections
+    cells = [cell for tables in sections.values() for table in tables for row in table["rows"] for cell in row]
+    assert f"{XSS} & more" in cells and f"{XSS}&" in cells and "boom & <b>bold</b>" in cells
+    assert "<i>gpu</i>" in cells and XSS in cells            # the GPU column; the hostile hostname (environment)
+
+
+def test_self_contained(hostile_html):
+    html = hostile_html
+    page = Page(html)
+    for tag, name, value in page.attrs:
+        if name in ("src", "href", "srcset", "data", "action", "poster"):
+            assert not re.match(r"\s*(https?:)?//", value, re.I), (tag, name, value)
+    assert not any(tag in ("script", "link", "iframe", "img", "object", "embed") for tag, _, _ in page.attrs)
+    assert not re.search(r"<(script|link|iframe|img)\b", html, re.I)
+    assert not re.search(r"@import|url\(\s*['\"]?\s*(https?:)?//", html, re.I)
+    assert not re.search(r"(src|href)\s*=\s*['\"]?\s*https?://", html, re.I)
+
+
+def test_one_table_per_workload(hostile_html):
+    frame = _hostile_frame()
+    sections = Page(hostile_html).sections()
+    workloads = list(dict.fromkeys(frame["workload"]))
+    assert len(workloads) == 3
+    for name in workloads:
+        assert name in sections, name
+        assert len(sections[name]) == 1, f"{name}: {len(sections[name])} tables"
+        table = sections[name][0]
+        assert len(table["rows"]) == int((frame["workload"] == name).sum())
+        assert all(len(row) == len(table["headers"]) for row in table["rows"])
+    assert set(sections) == set(workloads) | {"Environment"}
+    assert len(sections["Environment"]) == 1
+
+
+def _row_by(table: dict, header: str, value: str) -> dict[str, str]:
+    index = table["headers"].index(header)
+    matches = [row for row in table["rows"] if row[index] == value]
+    assert len(matches) == 1, (header, value, table["rows"])
+    return dict(zip(table["headers"], matches[0], strict=True))
+
+
+def test_missing_values_show_the_empty_mark(hostile_html):
+    sections = Page(hostile_html).sections()
+    gpt = sections["gpt"][0]
+    missing = _row_by(gpt, "status", "oom")
+    for header in ("batch", "precision", "peak allocated", "peak reserved", "params", "grads", "optimizer",
+                   "activations", "step p50 (ms)", "step p90 (ms)", "samples/s", "tokens/s", "MFU",
+                   "USD / M samples"):
+        assert header in missing, f"no column {header!r}: {gpt['headers']}"
+        assert missing[header] == EMPTY, (header, missing[header])
+    # No cell anywhere spells a missing value as nan/None/<NA>/0 or leaves it blank.
+    for tables in sections.values():
+        for table in tables:
+            for row in table["rows"]:
+                for header, cell in zip(table["headers"], row, strict=False):
+                    assert cell.strip() not in {"nan", "NaN", "None", "<NA>", "NaT", "null", ""}, (header, row)
+    # The environment row of the hostile run has no torch version: the mark, not "None".
+    env = sections["Environment"][0]
+    hostile_env = _row_by(env, "hostname", XSS)
+    assert hostile_env["torch_version"] == EMPTY and hostile_env["device_name"] == EMPTY
+
+
+def test_present_values_are_formatted_and_zero_is_not_missing(hostile_html):
+    sections = Page(hostile_html).sections()
+    full = _row_by(sections["gpt"][0], "technique", "baseline")
+    assert full["peak allocated"] == "1.5 KiB"
+    assert full["peak reserved"] == "3.0 GiB"
+    assert full["params"] == "0 B"                      # a real zero stays zero
+    assert full["batch"] == "32" and full["precision"] == "bf16"
+    assert full["step p50 (ms)"] == "12.50"
+    assert full["samples/s"] == "2,560.0"
+    assert full["MFU"] == "40.0%"
+    assert full["USD / M samples"] == "$1.50"
+    amp = _row_by(sections["resnet50"][0], "technique", "amp")
+    assert amp["MFU"] == "0.0%" and amp["peak allocated"] == "0 B"
+    assert amp["step p50 (ms)"] == EMPTY
+
+
+def test_status_rows_and_summary(hostile_html):
+    page = Page(hostile_html)
+    gpt = page.sections()["gpt"][0]
+    assert ["status-ok"] in gpt["row_classes"] and ["status-oom"] in gpt["row_classes"]
+    assert "5 rows" in hostile_html
+    assert "run&lt;2&gt;&amp;" in hostile_html
+
+
+def _banners(frame: pd.DataFrame) -> list[str]:
+    return Page(render([frame])).banners
+
+
+def test_projected_only_shows_banner():
+    frame = _frame([_record(cell_id="a", source="projected"), _record(cell_id="b", source="projected",
+                                                                       workload="bert", gpu="h100-sxm")])
+    banners = _banners(frame)
+    assert len(banners) == 1 and "projected" in banners[0].lower()
+
+
+def test_measured_has_no_banner():
+    assert _banners(_frame([_record(cell_id="a")])) == []
+    mixed = _frame([_record(cell_id="a"), _record(cell_id="b", source="projected")])
+    assert _banners(mixed) == []
+
+
+def test_merge_of_several_frames(tmp_path):
+    first = _frame([_record(cell_id="a", run_id="r1")])
+    second = _frame([_record(cell_id="a", run_id="r2", workload="bert")])
+    out = write_report([first, second], tmp_path / "report.html")
+    html = out.read_text(encoding="utf-8")
+    sections = Page(html).sections()
+    assert set(sections) == {"gpt", "bert", "Environment"}
+    assert "r1" in html and "r2" in html
+    assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
+
+
+def test_empty_frame_renders():
+    html = render([records_frame([])])
+    assert "No rows." in html and "<table" not in html
+
+
+def test_write_report_to_unwritable_place(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    with pytest.raises(ValueError) as info:
+        write_report([_frame([_record(cell_id="a")])], blocker / "report.html")
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and "--out" in message and str(blocker / "report.html") in message
+
+
+# --- reports/format.py ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (0, "0 B"), (1, "1 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (2**20, "1.0 MiB"),
+    (int(1.25 * 2**20), "1.2 MiB"), (5 * 2**30, "5.0 GiB"), (80 * 2**30, "80.0 GiB"), (3.5 * 2**30, "3.5 GiB"),
+    (np.int64(1536), "1.5 KiB"), (-1536, "-1.5 KiB"),
+])
+def test_bytes_binary_units(value, expected):
+    assert fmt.bytes_(value) == expected
+
+
+def test_bytes_from_nullable_frame_values():
+    series = pd.array([1536, None], dtype="Int64")
+    assert fmt.bytes_(series[0]) == "1.5 KiB"
+    assert fmt.bytes_(series[1]) == EMPTY
+
+
+MISSING = [None, float("nan"), np.nan, np.float64("nan"), pd.NA]
+
+
+@pytest.mark.parametrize("value", MISSING, ids=["None", "float-nan", "np-nan", "np-float64-nan", "pd-NA"])
+def test_missing_is_the_empty_mark(value):
+    assert fmt.EMPTY == EMPTY
+    assert fmt.bytes_(value) == EMPTY
+    assert fmt.number(value) == EMPTY and fmt.number(value, 0) == EMPTY
+    assert fmt.percent(value) == EMPTY
+    assert fmt.usd(value) == EMPTY
+    assert fmt.text(value) == EMPTY
+
+
+def test_other_formatters():
+    assert fmt.number(1234.5678, 2) == "1,234.57" and fmt.number(2.25e6, 0) == "2,250,000"
+    assert fmt.percent(0.4) == "40.0%" and fmt.percent(0) == "0.0%"
+    assert fmt.usd(1234.5) == "$1,234.50"
+    assert fmt.text("") == EMPTY and fmt.text("x") == "x" and fmt.text(0) == "0"
+    assert not math.isnan(float(fmt.number(1.0).replace(",", "")))
+
+
+# --- bugs found while writing these tests -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "expected"), [(2**20 - 1, "1.0 MiB"), (2**30 - 1, "1.0 GiB")])
+def test_bytes_rounding_at_unit_boundary(value, expected):
+    assert fmt.bytes_(value) == expected
+
+
+def test_float32_nan_is_missing():
+    value = np.float32("nan")
+    assert fmt.bytes_(value) == EMPTY and fmt.number(value) == EMPTY and fmt.percent(value) == EMPTY
