@@ -31,6 +31,8 @@ from suites.techniques import Run, Unsupported
 from suites.workloads import get_workload
 from suites.workloads.base import count_parameters
 
+# Extra warm-up steps allowed for fp16 loss scaling to settle (each overflow halves the scale).
+MAX_SCALER_WARMUP = 30
 # Precision label -> the dtype whose dense peak MFU is computed against (the guide's reference table
 # says MFU is always against the dense peak of the precision actually used).
 PEAK_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
@@ -97,6 +99,12 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
         step = Step(run, device)
         batch = {k: v.to(device) for k, v in workload.batch(spec, cell.batch_size, generator).items()}
         for _ in range(settings.warmup):
+            step(batch)
+        # fp16 loss scaling starts at 2**16 and skips the optimizer step while gradients overflow; warm
+        # up until a step was really taken, or the optimizer state (and its memory) would be missing.
+        for _ in range(MAX_SCALER_WARMUP):
+            if step.optimizer is None or step.optimizer.state:
+                break
             step(batch)
         probe.begin_measured_step()
         loss = step(batch, mark=probe.mark)
