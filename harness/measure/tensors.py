@@ -11,21 +11,37 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+
+def _leaves(tensor: torch.Tensor) -> Iterable[torch.Tensor]:
+    """The plain tensors that hold a tensor's data: itself, or, for wrapper subclasses such as
+    torchao's quantized weights (int8 data + scales), the inner tensors they flatten to."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            yield from _leaves(getattr(tensor, name))
+    else:
+        yield tensor
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Total bytes of the distinct storages behind `tensors`."""
-    seen: dict[int, int] = {}
+    seen: dict[tuple[str, int], int] = {}
     for tensor in tensors:
-        if tensor is None or tensor.device.type == "meta":
+        if tensor is None:
             continue
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        for leaf in _leaves(tensor):
+            if leaf.device.type == "meta":
+                continue
+            storage = leaf.untyped_storage()
+            seen[(leaf.device.type, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())
 
 
 def parameter_bytes(model: nn.Module) -> int:
-    return storage_bytes(model.parameters())
+    """The model's state: parameters and buffers (int8 weights stored as buffers count here too)."""
+    return storage_bytes([*model.parameters(), *model.buffers()])
 
 
 def gradient_bytes(model: nn.Module) -> int:

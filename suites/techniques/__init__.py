@@ -9,10 +9,19 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from suites.techniques.accumulation import GRAD_ACCUMULATION
+from suites.techniques import (
+    accumulation,  # T6
+    checkpointing,  # T5
+    precision,  # T1
+)
 from suites.techniques.base import Phase, Run, Technique, Unsupported
-from suites.techniques.checkpointing import CHECKPOINTING
-from suites.techniques.precision import AMP_BF16, AMP_FP16
+
+# One module per family, each exporting TECHNIQUES; listed one per line.
+FAMILIES = [
+    precision,
+    checkpointing,
+    accumulation,
+]
 
 BASELINE = "baseline"
 
@@ -26,8 +35,9 @@ def register(technique: Technique) -> None:
     TECHNIQUES[technique.id] = technique
 
 
-for _technique in (AMP_BF16, AMP_FP16, CHECKPOINTING, GRAD_ACCUMULATION):
-    register(_technique)
+for _family in FAMILIES:
+    for _technique in _family.TECHNIQUES:
+        register(_technique)
 
 
 @dataclass(frozen=True)

@@ -28,3 +28,5 @@ GRAD_ACCUMULATION = Technique(
     id="grad-accumulation", phase=Phase.STEP, changes_numerics=False, guide="T6",
     summary=f"{DEFAULT_MICRO_BATCHES} micro-batches per optimizer step, loss divided by {DEFAULT_MICRO_BATCHES}",
     check=train_only("grad-accumulation"), apply=_apply, exclusive="accumulation")
+
+TECHNIQUES = (GRAD_ACCUMULATION,)

@@ -29,3 +29,5 @@ CHECKPOINTING = Technique(
     id="checkpointing", phase=Phase.CHECKPOINT, changes_numerics=False, guide="T5",
     summary="recompute each block's activations in backward (per-block checkpointing)",
     check=train_only("checkpointing"), apply=_apply, exclusive="checkpointing")
+
+TECHNIQUES = (CHECKPOINTING,)

@@ -47,3 +47,5 @@ AMP_FP16 = Technique(
     id="amp-fp16", phase=Phase.STEP, changes_numerics=True, guide="T1",
     summary="fp16 autocast with dynamic loss scaling (GradScaler)",
     check=_check_fp16, apply=_apply_fp16, exclusive="precision")
+
+TECHNIQUES = (AMP_BF16, AMP_FP16)
