@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -58,7 +59,7 @@ def main() -> None:
             step(batch)
         ratios, bare_all, harness_all = [], [], []
         for _ in range(args.rounds):
-            harness = time_steps(lambda: step(batch), args.steps, 1, device).percentile_ms(0.5)
+            harness = time_steps(partial(step, batch), args.steps, 1, device).percentile_ms(0.5)
             bare = bare_p50_ms(step.model, step.optimizer, workload, batch, args.steps)
             harness_all.append(harness)
             bare_all.append(bare)
