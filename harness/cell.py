@@ -22,6 +22,7 @@ import torch
 from harness.measure.memory import probe_for
 from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from harness.measure.timing import time_steps
+from harness.metrics import speed_and_cost
 from harness.plan import Cell
 from harness.profiles import GpuProfile, load_profiles
 from harness.provenance import git_sha
@@ -33,9 +34,6 @@ from suites.workloads.base import count_parameters
 
 # Extra warm-up steps allowed for fp16 loss scaling to settle (each overflow halves the scale).
 MAX_SCALER_WARMUP = 30
-# Precision label -> the dtype whose dense peak MFU is computed against (the guide's reference table
-# says MFU is always against the dense peak of the precision actually used).
-PEAK_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -56,12 +54,11 @@ def base_record(cell: Cell, run_id: str, source: str, status: str, reason: str =
     return Record(
         run_id=run_id, workload=cell.workload, size=cell.size, mode=cell.mode, technique=cell.technique,
         gpu=cell.gpu, source=source, status=status, reason=reason, cell_id=cell.cell_id,
-        batch_size=cell.batch_size, seq_len=spec.seq_len if spec else None,
-        image_size=spec.image_size if spec else None,
+        batch_size=cell.batch_size, image_size=spec.image_size if spec else None,
         accuracy_metric=workload.accuracy_metric or None, torch_version=torch.__version__,
         cuda_version=torch.version.cuda if torch.cuda.is_available() else None, git_sha=git_sha(),
         hostname=socket.gethostname(), created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        **values)
+        **{"seq_len": spec.seq_len if spec else None, **values})
 
 
 def failure_status(exc: BaseException) -> str:
@@ -129,9 +126,7 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
     throughput = timing.throughput(cell.batch_size)
     flops_per_sample = (workload.train_flops_per_sample(spec) if cell.mode == "train"
                         else workload.forward_flops_per_sample(spec))
-    peak = profile.peak(PEAK_DTYPE.get(run.precision, ""))
-    tokens_per_s = throughput * spec.seq_len if spec.seq_len else None
-    usd_per_sample = profile.usd_per_hour / 3600 / throughput if profile.usd_per_hour else None
+    derived = speed_and_cost(profile, run.precision, flops_per_sample, throughput, spec.seq_len)
     # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return base_record(
@@ -144,10 +139,7 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
         step_time_ms_p50=timing.percentile_ms(0.5), step_time_ms_p90=timing.percentile_ms(0.9),
         step_time_cv=timing.cv, noisy=timing.cv > settings.noise_threshold if timing.cv is not None else None,
         timed_steps=len(timing.step_s), throughput_samples_s=throughput,
-        tokens_per_s=tokens_per_s, flops_per_step=flops_per_sample * cell.batch_size,
-        mfu=flops_per_sample * throughput / peak if peak else None,
-        usd_per_million_samples=usd_per_sample * 1e6 if usd_per_sample else None,
-        usd_per_million_tokens=usd_per_sample * 1e6 / spec.seq_len if usd_per_sample and spec.seq_len else None,
+        flops_per_step=flops_per_sample * cell.batch_size, **derived,
         wall_time_s=time.perf_counter() - started, notes="; ".join(run.notes))
 
 

@@ -60,6 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="refuse instead of projecting when a requested GPU is not this machine's")
     run.add_argument("--no-report", action="store_true", help="do not write report.html")
 
+    project = sub.add_parser("project", help="project one cell onto a GPU profile (no GPU needed)")
+    project.add_argument("--workload", default="gpt")
+    project.add_argument("--size", default=None, help="size id (default: the workload's canonical size)")
+    project.add_argument("--gpu", required=True, help="profile id")
+    project.add_argument("--technique", default="baseline", metavar="STACK")
+    project.add_argument("--mode", default="train", help="train or infer")
+    batch = project.add_mutually_exclusive_group()
+    batch.add_argument("--batch-size", type=int, default=None)
+    batch.add_argument("--max-batch", action="store_true", help="solve for the largest batch that fits")
+    project.add_argument("--seq-len", type=int, default=None, help="tokens per sample (language models)")
+    project.add_argument("--largest-model", action="store_true",
+                         help="instead: the largest size of --workload that fits --gpu at batch 1")
+    project.add_argument("--format", choices=("table", "json"), default="table")
+
     report = sub.add_parser("report", help="merge results files into one HTML report")
     report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
     report.add_argument("--out", type=Path, required=True, metavar="FILE.html")
@@ -95,6 +109,8 @@ def _profiles(args):
 
 
 def cmd_run(args) -> int:
+    import dataclasses
+
     from rich.console import Console
 
     from harness.cell import MeasureSettings
@@ -105,23 +121,31 @@ def cmd_run(args) -> int:
     from suites.techniques import technique_names
     from suites.workloads import WORKLOADS
 
-    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
     profiles = _profiles(args)
     local = detect_local(profiles)
     gpus = resolve_gpus(args.gpu, profiles) if args.gpu else [local]
-    foreign = [g.id for g in gpus if g.id != local.id]
-    if foreign:
-        # Projection onto GPUs this machine does not have is its own feature (issue #4); until it
-        # lands, asking for another GPU is refused rather than silently measured on the wrong device.
-        raise UsageError(f"no {', '.join(foreign)} on this machine (local device: {local.id}); projected "
-                         f"figures for other GPUs are not available yet, run on that GPU instead")
+    foreign = [g for g in gpus if g.id != local.id]
+    if foreign and args.require_device:
+        raise UsageError(f"--require-device: no {', '.join(g.id for g in foreign)} on this machine "
+                         f"(local device: {local.id}); run without it to project instead")
     if args.steps < 10:
         raise UsageError(f"--steps must be at least 10 timed steps, got {args.steps}")
     if args.repeats < 1 or args.warmup < 0:
         raise UsageError("--repeats must be >= 1 and --warmup >= 0")
+    workloads = args.workload or list(WORKLOADS)
+    stacks = args.technique or technique_names()
     scale = args.scale or ("smoke" if local.vendor == "cpu" else "standard")
-    cells = expand(args.workload or list(WORKLOADS), args.technique or technique_names(), gpus, args.mode,
-                   scale=scale, sizes=args.size, batch_size=args.batch_size)
+    measured = expand(workloads, stacks, [g for g in gpus if g.id == local.id], args.mode, scale=scale,
+                      sizes=args.size, batch_size=args.batch_size)
+    # Every measured cell gets a projected twin (the projection's error is then known); GPUs this
+    # machine lacks are projected at their canonical sizes unless --scale/--size say otherwise.
+    projected = [dataclasses.replace(c, source="projected") for c in measured]
+    if foreign:
+        projected += [dataclasses.replace(c, source="projected") for c in
+                      expand(workloads, stacks, foreign, args.mode, scale=args.scale or "standard", sizes=args.size,
+                             batch_size=args.batch_size)]
+    cells = measured + projected
     run_id = datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
     out = args.out or Path("results") / run_id
     if args.resume and not (out / "cells").is_dir():
@@ -132,8 +156,11 @@ def cmd_run(args) -> int:
                          settings=MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats,
                                                   noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD),
                          profiles_dir=args.profiles)
-    console.print(f"headroom run {run_id}: {len(cells)} cells on {local.name} ({local.id}), scale {scale} "
-                  f"-> {out}" + (" [measured]" if local.vendor == "cpu" else ""))
+    console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), scale {scale}; "
+                  f"{len(projected)} projected cells -> {out}")
+    if foreign:
+        console.print(f"PROJECTED: {', '.join(g.id for g in foreign)} not on this machine (local device: {local.id}); "
+                      f"their figures are projected from traces, not measured")
     started = time.perf_counter()
 
     def progress(index, total, cell, record):
@@ -141,10 +168,12 @@ def cmd_run(args) -> int:
         if record is None:
             console.print(f"[{index}/{total}] {cell.describe()}: already recorded, skipped")
             return
-        detail = (f"p50 {record.step_time_ms_p50:.2f} ms, {record.throughput_samples_s:.1f} samples/s, "
-                  f"peak {record.peak_allocated_bytes / 2**20:.1f} MiB" + (
-                      f", NOISY (cv {record.step_time_cv:.1%})" if record.noisy else "")
-                  if record.status == "ok" else record.reason)
+        detail = record.reason
+        if record.status == "ok":
+            speed = (f"p50 {record.step_time_ms_p50:.2f} ms, {record.throughput_samples_s:.1f} samples/s, "
+                     if record.step_time_ms_p50 is not None else "")
+            detail = (speed + f"peak {record.peak_allocated_bytes / 2**20:.1f} MiB"
+                      + (f", NOISY (cv {record.step_time_cv:.1%})" if record.noisy else ""))
         console.print(f"[{index}/{total} {elapsed:5.0f}s] {cell.describe()}: {record.status}  {detail}")
 
     records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume)
@@ -159,6 +188,61 @@ def cmd_run(args) -> int:
                   f"-> {out}/results.parquet, results.csv" + ("" if args.no_report else ", report.html"))
     failed = frame["status"].isin(["error", "timeout"]).sum()
     return EXIT_CELLS_FAILED if failed else 0
+
+
+def cmd_project(args) -> int:
+    import dataclasses
+    import json
+
+    from harness.plan import MODES, Cell
+    from harness.profiles import unknown_name
+    from harness.project import largest_model, max_batch, project_cell
+    from suites.techniques import parse_stack
+    from suites.workloads import get_workload
+
+    profiles = _profiles(args)
+    if args.gpu not in profiles:
+        raise UsageError(unknown_name("GPU profile id", args.gpu, sorted(profiles)))
+    profile = profiles[args.gpu]
+    if args.mode not in MODES:
+        raise UsageError(f"unknown mode {args.mode!r} (valid: {', '.join(MODES)})")
+    workload = get_workload(args.workload)
+    stack = parse_stack(args.technique)
+    if args.largest_model:
+        best = largest_model(profile, stack, args.mode, workload.name)
+        answer = {"gpu": profile.id, "workload": workload.name, "technique": stack.name, "mode": args.mode,
+                  "largest_size_that_fits": best}
+        print(json.dumps(answer) if args.format == "json" else
+              f"{profile.id}: largest {workload.name} that fits ({stack.name}, {args.mode}, batch 1): {best or 'none'}")
+        return 0
+    spec = workload.size(args.size) if args.size else next(iter(workload.sizes_at("standard")))
+    if args.seq_len is not None:
+        if spec.seq_len is None:
+            raise UsageError(f"--seq-len applies to language models; {workload.name} takes images")
+        limit = spec.config.get("block_size") or spec.config.get("max_positions")
+        if args.seq_len < 1 or (limit and args.seq_len > limit):
+            raise UsageError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {args.seq_len}")
+        spec = dataclasses.replace(spec, seq_len=args.seq_len)
+    step = 4 if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
+    if args.max_batch:
+        batch_size = max_batch(workload, spec, stack, args.mode, profile, step=step)
+        if batch_size == 0:
+            batch_size = step  # report the smallest batch, which then shows as oom with its numbers
+    else:
+        batch_size = args.batch_size or spec.batch_size
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be a positive integer, got {batch_size}")
+    cell = Cell(workload.name, spec.name, args.mode, stack.name, profile.id, batch_size)
+    record = project_cell(cell, profile, run_id="project", spec=spec)
+    row = record.to_dict()
+    if args.format == "json":
+        print(json.dumps(row))
+    else:
+        width = max(map(len, row))
+        for key, value in row.items():
+            if value not in (None, ""):
+                print(f"{key:{width}}  {value}")
+    return 0
 
 
 def cmd_report(args) -> int:
@@ -221,8 +305,8 @@ def cmd_env(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "report": cmd_report, "profiles": cmd_profiles, "techniques": cmd_techniques,
-            "workloads": cmd_workloads, "env": cmd_env, "families": cmd_families}
+COMMANDS = {"run": cmd_run, "project": cmd_project, "report": cmd_report, "profiles": cmd_profiles,
+            "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env, "families": cmd_families}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,11 +26,14 @@ class Cell:
     technique: str
     gpu: str
     batch_size: int
+    source: str = "measured"  # or "projected": computed from a trace, no device needed
 
     @property
     def cell_id(self) -> str:
         """A filesystem-safe, unique and stable name: the key for resuming."""
         raw = f"{self.workload}__{self.size}__{self.mode}__{self.technique}__{self.gpu}__b{self.batch_size}"
+        if self.source != "measured":
+            raw += f"__{self.source}"
         return re.sub(r"[^A-Za-z0-9_.+-]", "_", raw)
 
     def to_dict(self) -> dict:
@@ -41,7 +44,8 @@ class Cell:
         return parse_stack(self.technique)
 
     def describe(self) -> str:
-        return f"{self.workload} {self.size} {self.mode} {self.technique} on {self.gpu} (batch {self.batch_size})"
+        return (f"{self.workload} {self.size} {self.mode} {self.technique} on {self.gpu} (batch {self.batch_size})"
+                f"{' [projected]' if self.source == 'projected' else ''}")
 
 
 def expand(workloads: list[str], stacks: list[str], gpus: list[GpuProfile], modes: list[str],

@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # A measured cell whose repeats' mean step times vary by more than this (coefficient of variation)
 # is flagged `noisy`: its timings are not to be trusted to a few percent.
 DEFAULT_NOISE_THRESHOLD = 0.05
@@ -50,6 +50,10 @@ class Record:
     # memory, bytes
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
+    peak_reserved_expandable_bytes: int | None = None
+    peak_reserved_async_bytes: int | None = None
+    device_overhead_bytes: int | None = None
+    fits: bool | None = None
     process_peak_rss_bytes: int | None = None
     params_bytes: int | None = None
     grads_bytes: int | None = None
@@ -67,6 +71,9 @@ class Record:
     tokens_per_s: float | None = None
     flops_per_step: float | None = None
     mfu: float | None = None
+    # projection checked against its measured twin (same cell on the local device): projected / measured - 1
+    peak_error_vs_measured: float | None = None
+    step_time_error_vs_measured: float | None = None
     # accuracy
     accuracy_metric: str | None = None
     accuracy: float | None = None
@@ -144,8 +151,18 @@ def _v1_to_v2(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def _v2_to_v3(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 3 added projection columns (reserved under other allocator settings, device overhead,
+    fit, error against the measured twin): unknown for rows written before them."""
+    for column in ("peak_reserved_expandable_bytes", "peak_reserved_async_bytes", "device_overhead_bytes", "fits",
+                   "peak_error_vs_measured", "step_time_error_vs_measured"):
+        frame[column] = None
+    frame["schema_version"] = 3
+    return frame
+
+
 # version -> function taking a frame of that version to the next one.
-MIGRATIONS = {1: _v1_to_v2}
+MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:

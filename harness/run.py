@@ -21,6 +21,7 @@ from pathlib import Path
 from harness.cell import MeasureSettings, base_record
 from harness.plan import Cell, support_reason
 from harness.profiles import GpuProfile
+from harness.project import project_cell
 from harness.provenance import REPO_ROOT
 from harness.records import Record, ResultsStore
 
@@ -99,7 +100,9 @@ def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsS
             continue
         reason = support_reason(cell, profiles[cell.gpu])
         if reason:
-            record = base_record(cell, options.run_id, "measured", "unsupported", reason)
+            record = base_record(cell, options.run_id, cell.source, "unsupported", reason)
+        elif cell.source == "projected":
+            record = project_cell(cell, profiles[cell.gpu], options.run_id)
         else:
             record = run_isolated(cell, options)
         store.add(record)
@@ -107,4 +110,27 @@ def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsS
         records.append(record)
         if on_done:
             on_done(index, len(cells), cell, record)
+    attach_twin_errors(store)
     return records
+
+
+def attach_twin_errors(store: ResultsStore) -> None:
+    """Give each projected row that has a measured twin (same cell, same device) its relative error."""
+    rows = store.rows()
+    key = ("workload", "size", "mode", "technique", "gpu", "batch_size")
+    measured = {tuple(r[k] for k in key): r for r in rows if r["source"] == "measured" and r["status"] == "ok"}
+    for row in rows:
+        twin = measured.get(tuple(row[k] for k in key))
+        if row["source"] != "projected" or row["status"] != "ok" or twin is None:
+            continue
+        updated = dict(row, peak_error_vs_measured=_relative_error(row["peak_allocated_bytes"],
+                                                                   twin["peak_allocated_bytes"]),
+                       step_time_error_vs_measured=_relative_error(row["step_time_ms_p50"], twin["step_time_ms_p50"]))
+        if updated != row:
+            store.add(Record(**updated))
+
+
+def _relative_error(projected: float | None, measured: float | None) -> float | None:
+    if projected is None or not measured:
+        return None
+    return projected / measured - 1

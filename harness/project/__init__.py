@@ -1,0 +1,257 @@
+"""Projection: memory, fit, step time and cost of a cell on any GPU profile, without that GPU.
+
+Memory comes from a fake-tensor trace of one step (trace.py) replayed through a model of the CUDA
+caching allocator (allocator.py), plus the CUDA context and library workspaces; time from a
+roofline over the traced ops (roofline.py). Deep uniform models are traced at two small depths and
+extrapolated (memory, FLOPs and bytes are affine in the number of identical layers), so GPT-3 175B
+projects in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.metrics import speed_and_cost
+from harness.project.allocator import replay
+from harness.project.roofline import TimeEstimate, estimate
+from harness.project.trace import OpCost, StepTrace, trace_step, with_depth
+from harness.records import Record
+from suites.techniques import Run, Stack, Unsupported
+from suites.workloads import get_workload
+from suites.workloads.base import SizeSpec, Workload
+
+# Models deeper than this are traced at TRACE_DEPTHS layers and extrapolated.
+EXTRAPOLATE_ABOVE = 4
+TRACE_DEPTHS = (2, 3)
+# Outside the allocator: the CUDA context (driver dependent; "hundreds of MiB", calibration.md) [M]
+# and the cuBLAS workspace (PyTorch's default CUBLAS_WORKSPACE_CONFIG: 32 MiB on sm90+, 4096 KiB x 2
+# + 16 KiB x 8 before; calibration.md "about 32 MiB on sm90, less on older parts").
+CUDA_CONTEXT_BYTES = 512 * 2**20
+CUBLAS_WORKSPACE_BYTES = {True: 32 * 2**20, False: 2 * 4 * 2**20 + 8 * 16 * 2**10}
+
+
+@dataclass
+class MemoryProjection:
+    """Projected memory of one cell on one profile (bytes)."""
+
+    peak_allocated: int
+    reserved: dict[str, int]  # allocator setting -> peak reserved
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    temporaries: int
+    overhead: int
+    capacity: int | None
+    extrapolated_from: tuple[int, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.capacity is None:
+            return None
+        return self.reserved["native"] + self.overhead <= self.capacity
+
+
+@dataclass
+class Projection:
+    memory: MemoryProjection
+    time: TimeEstimate | None
+    trace: StepTrace
+
+
+def device_overhead(profile) -> int:
+    """Bytes a process holds on the device outside PyTorch's allocator: context + cuBLAS workspace."""
+    if profile.vendor == "cpu":
+        return 0
+    cc = profile.cc_tuple
+    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES[bool(cc and cc >= (9, 0))]
+
+
+def _trace_key(profile) -> tuple:
+    """Profiles that trace identically share one trace: the rounding and attention path differ only
+    between the host CPU and GPUs."""
+    return ("cpu",) if profile.vendor == "cpu" else ("gpu",)
+
+
+_TRACES: dict[tuple, StepTrace] = {}
+
+
+def traced(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_size: int, profile) -> StepTrace:
+    """The step trace of a cell, computed once per process for all profiles that trace alike."""
+    key = (workload.name, spec.name, tuple(sorted(spec.config.items())), stack.name, mode, batch_size,
+           _trace_key(profile))
+    if key not in _TRACES:
+        def run_factory() -> Run:
+            return Run(workload=workload, size=spec, mode=mode, profile=profile, model=workload.build(spec),
+                       batch_size=batch_size)
+
+        def batch_factory():
+            return workload.batch(spec, batch_size, torch.Generator().manual_seed(0))
+
+        _TRACES[key] = trace_step(run_factory, stack, profile, batch_factory)
+    return _TRACES[key]
+
+
+def _reserved(trace: StepTrace) -> dict[str, int]:
+    return {setting: replay(trace.events, setting).peak_reserved
+            for setting in ("native", "expandable_segments", "cudaMallocAsync")}
+
+
+def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> float:
+    return a + (b - a) * (depth - depth_a) / (depth_b - depth_a)
+
+
+def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_size: int, profile) -> Projection:
+    """Memory and time of one cell on `profile` (raises Unsupported like a measured run would)."""
+    depth = spec.config.get("n_layer")
+    if depth is None or depth <= EXTRAPOLATE_ABOVE:
+        trace = traced(workload, spec, stack, mode, batch_size, profile)
+        reserved = _reserved(trace)
+        extrapolated: tuple[int, ...] = ()
+    else:
+        low, high = extrapolated = TRACE_DEPTHS
+        trace_a = traced(workload, with_depth(spec, low), stack, mode, batch_size, profile)
+        trace_b = traced(workload, with_depth(spec, high), stack, mode, batch_size, profile)
+        trace = _extrapolated_trace(trace_a, trace_b, low, high, depth)
+        reserved_a, reserved_b = _reserved(trace_a), _reserved(trace_b)
+        reserved = {s: round(_extrapolate(reserved_a[s], reserved_b[s], low, high, depth)) for s in reserved_a}
+    if profile.vendor == "cpu":
+        reserved = {"native": None}  # no caching allocator on the host: nothing to model
+    memory = MemoryProjection(
+        peak_allocated=trace.peak_bytes, reserved=reserved, params=trace.params_bytes, grads=trace.grads_bytes,
+        optimizer=trace.optimizer_bytes, activations=trace.activations_bytes,
+        temporaries=trace.at_peak.get("temporaries", 0), overhead=device_overhead(profile),
+        capacity=profile.memory_bytes if profile.vendor != "cpu" else None, extrapolated_from=extrapolated,
+        notes=list(trace.notes))
+    return Projection(memory, estimate(trace, profile), trace)
+
+
+def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: int) -> StepTrace:
+    """A trace at `depth` layers from traces at `low` and `high`: every total is affine in the depth."""
+
+    def lin(x: float, y: float) -> float:
+        return _extrapolate(x, y, low, high, depth)
+
+    def cost(key) -> OpCost:
+        x, y = a.costs.get(key, OpCost()), b.costs[key]
+        return OpCost(count=round(lin(x.count, y.count)), flops=lin(x.flops, y.flops), bytes=lin(x.bytes, y.bytes))
+
+    return StepTrace(
+        peak_bytes=round(lin(a.peak_bytes, b.peak_bytes)),
+        at_peak={k: round(lin(a.at_peak.get(k, 0), b.at_peak.get(k, 0))) for k in set(a.at_peak) | set(b.at_peak)},
+        params_bytes=round(lin(a.params_bytes, b.params_bytes)), grads_bytes=round(lin(a.grads_bytes, b.grads_bytes)),
+        optimizer_bytes=round(lin(a.optimizer_bytes, b.optimizer_bytes)),
+        activations_bytes=round(lin(a.activations_bytes, b.activations_bytes)), events=[],
+        costs={key: cost(key) for key in b.costs}, precision=b.precision,
+        notes=b.notes + [f"extrapolated from traces at {low} and {high} layers to {depth}"])
+
+
+def fits_at(workload, spec, stack, mode, batch_size, profile) -> bool:
+    return bool(project(workload, spec, stack, mode, batch_size, profile).memory.fits)
+
+
+def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile, step: int = 1,
+              limit: int = 1 << 16) -> int:
+    """The largest batch (a multiple of `step`) whose projected memory fits `profile`, 0 if none.
+
+    Memory is affine in the batch for fixed shapes: two projections give the slope, the solution is
+    checked by a projection at the answer and walked down (binary search) if the allocator's
+    rounding makes it miss.
+    """
+    if profile.memory_bytes is None:
+        raise ValueError(f"profile {profile.id} has no memory size: cannot solve for the largest batch")
+    first = project(workload, spec, stack, mode, step, profile).memory
+    if not first.fits:
+        return 0
+    second = project(workload, spec, stack, mode, 2 * step, profile).memory
+    slope = (second.reserved["native"] - first.reserved["native"]) / step
+    budget = profile.memory_bytes - first.overhead - first.reserved["native"]
+    guess = limit if slope <= 0 else min(limit, step + int(budget / slope) // step * step)
+    guess = max(step, guess - guess % step)
+    if fits_at(workload, spec, stack, mode, guess, profile):
+        return guess
+    low, high = step, guess  # low fits, high does not
+    while high - low > step:
+        middle = (low + high) // 2 // step * step
+        if middle in (low, high):
+            break
+        low, high = (middle, high) if fits_at(workload, spec, stack, mode, middle, profile) else (low, middle)
+    return low
+
+
+def largest_model(profile, stack: Stack, mode: str = "train", workload_name: str = "gpt") -> str | None:
+    """The largest size of `workload_name` that fits `profile` at batch 1 under `stack`, or None."""
+    workload = get_workload(workload_name)
+    best = None
+    sizes = sorted(workload.sizes.values(), key=lambda s: _param_estimate(workload, s))
+    for spec in sizes:
+        batch = 4 if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
+        if stack.check(profile, workload, mode):
+            return None
+        if fits_at(workload, dataclasses.replace(spec, batch_size=batch), stack, mode, batch, profile):
+            best = spec.name
+        else:
+            break
+    return best
+
+
+def _param_estimate(workload: Workload, spec: SizeSpec) -> int:
+    from suites.workloads.base import count_parameters
+
+    with torch.device("meta"):
+        return count_parameters(workload.build(spec))
+
+
+def projected_fields(projection: Projection, workload: Workload, spec: SizeSpec, mode: str, batch_size: int,
+                     profile, precision: str) -> dict:
+    """The Record fields a projection fills (status is decided by the caller)."""
+    memory, time = projection.memory, projection.time
+    flops_per_sample = (workload.train_flops_per_sample(spec) if mode == "train"
+                        else workload.forward_flops_per_sample(spec))
+    throughput = batch_size / time.step_s if time else None
+    return dict(
+        precision=precision, peak_allocated_bytes=memory.peak_allocated,
+        peak_reserved_bytes=memory.reserved.get("native"),
+        peak_reserved_expandable_bytes=memory.reserved.get("expandable_segments"),
+        peak_reserved_async_bytes=memory.reserved.get("cudaMallocAsync"),
+        device_overhead_bytes=memory.overhead, fits=memory.fits, params_bytes=memory.params,
+        grads_bytes=memory.grads if mode == "train" else None,
+        optimizer_bytes=memory.optimizer if mode == "train" else None,
+        activations_bytes=memory.activations, temporaries_bytes=memory.temporaries,
+        step_time_ms_p50=time.step_s * 1e3 if time else None, throughput_samples_s=throughput,
+        flops_per_step=flops_per_sample * batch_size,
+        **speed_and_cost(profile, precision, flops_per_sample, throughput, spec.seq_len),
+        device_name=profile.name, notes="; ".join(memory.notes))
+
+
+def project_cell(cell, profile, run_id: str, spec: SizeSpec | None = None) -> Record:
+    """The projected row of `cell` on `profile`: ok, oom (does not fit, with the numbers), unsupported
+    or error; never raises for a problem of the cell itself."""
+    from harness.cell import base_record
+
+    workload = get_workload(cell.workload)
+    spec = spec or workload.sizes[cell.size]
+    stack = cell.stack
+    reason = stack.check(profile, workload, cell.mode)
+    if reason:
+        return base_record(cell, run_id, "projected", "unsupported", reason, device_name=profile.name)
+    try:
+        projection = project(workload, spec, stack, cell.mode, cell.batch_size, profile)
+    except Unsupported as exc:
+        return base_record(cell, run_id, "projected", "unsupported", str(exc), device_name=profile.name)
+    except Exception as exc:  # a projection bug must become a row, not end the run
+        return base_record(cell, run_id, "projected", "error", f"projection failed: {type(exc).__name__}: {exc}",
+                           device_name=profile.name)
+    fields = projected_fields(projection, workload, spec, cell.mode, cell.batch_size, profile,
+                              projection.trace.precision)
+    memory = projection.memory
+    status, reason = "ok", ""
+    if memory.fits is False:
+        status = "oom"
+        reason = (f"needs {memory.reserved['native'] / 2**30:.1f} GiB reserved + {memory.overhead / 2**30:.1f} GiB "
+                  f"context/workspace > {memory.capacity / 2**30:.0f} GiB on {profile.id}")
+    return base_record(cell, run_id, "projected", status, reason, seq_len=spec.seq_len, **fields)

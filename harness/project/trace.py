@@ -1,0 +1,239 @@
+"""Trace one step on fake tensors: where memory goes, in what order, and what each op costs.
+
+The model, batch and optimizer are built under `FakeTensorMode` on the CPU device (autograd on
+fake `cuda` tensors aborts without a GPU), so no real memory is used and any size traces in
+seconds. One untracked step creates the optimizer state; the second step is tracked by PyTorch's
+`MemTracker` (categories: parameters, gradients, optimizer state, activations, temporaries), which
+we extend to log every storage allocation and free in order, rounded as the target's allocator
+rounds (CUDA: 512 bytes), for the allocator model and the peak. A dispatch mode counts each op's
+FLOPs (`torch.utils.flop_counter`'s formulas) and bytes touched, for the roofline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from suites.step import Step
+from suites.techniques import Run, Stack
+
+# CUDA's caching allocator rounds every request up to a multiple of 512 bytes (PyTorch CUDA notes,
+# reference/calibration.md); the CPU allocator reports the requested size.
+CUDA_ROUNDING = 512
+
+CATEGORY = {"Parameter": "params", "Buffer": "params", "Gradient": "grads", "Optstate": "optimizer",
+            "Activation": "activations", "Temp": "temporaries", "Other": "activations"}
+
+
+@dataclass
+class OpCost:
+    """Summed cost of one class of ops in one dtype."""
+
+    count: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+@dataclass
+class StepTrace:
+    """What one traced step allocated and computed (bytes already rounded for the target)."""
+
+    peak_bytes: int
+    at_peak: dict[str, int]
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    events: list[tuple[str, int, int]]  # ("alloc", id, bytes) / ("free", id, 0), in order
+    costs: dict[tuple[str, str], OpCost] = field(default_factory=dict)  # (op class, dtype) -> cost
+    baseline_bytes: int = 0  # live before the tracked step (params, optimizer state, batch)
+    precision: str = "fp32"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def flops(self) -> float:
+        return sum(c.flops for c in self.costs.values())
+
+
+class _RecordingMemTracker(MemTracker):
+    """MemTracker that also keeps the ordered allocation log and per-category totals with rounding.
+
+    MemTracker exposes categories and a peak but not the order of allocations, which the caching
+    allocator model needs; `_update_snap` is its single choke point for every change, so we log there.
+    """
+
+    def __init__(self, rounding: int) -> None:
+        super().__init__()
+        self.rounding = rounding
+        self.live: dict[int, tuple[int, str]] = {}
+        self.total = 0
+        self.peak = 0
+        self.at_peak: dict[str, int] = {}
+        self.events: list[tuple[str, int, int]] = []
+
+    def _rounded(self, nbytes: int) -> int:
+        return math.ceil(nbytes / self.rounding) * self.rounding if self.rounding > 1 else nbytes
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+        key = id(winfo)
+        category = CATEGORY.get(getattr(winfo.reftype, "value", str(winfo.reftype)), "temporaries")
+        if u_type == _UpdateType.ADD:
+            size = self._rounded(winfo.mem_consumed)
+            self.live[key] = (size, category)
+            self.total += size
+            self.events.append(("alloc", key, size))
+        elif u_type == _UpdateType.DEL:
+            size, _ = self.live.pop(key, (0, category))
+            self.total -= size
+            self.events.append(("free", key, 0))
+        elif u_type == _UpdateType.REF and key in self.live:
+            self.live[key] = (self.live[key][0], category)
+        elif u_type == _UpdateType.SIZE:
+            old, _ = self.live.get(key, (0, category))
+            size = self._rounded(winfo.mem_consumed)
+            self.live[key] = (size, category)
+            self.total += size - old
+            self.events.append(("free", key, 0))
+            self.events.append(("alloc", key, size))
+        if self.total > self.peak:
+            self.peak = self.total
+            self.at_peak = self.by_category()
+
+    def by_category(self) -> dict[str, int]:
+        totals: dict[str, int] = defaultdict(int)
+        for size, category in self.live.values():
+            totals[category] += size
+        return dict(totals)
+
+
+def op_class(name: str) -> str:
+    """Roofline class of an aten op: where its efficiency factor comes from."""
+    if "convolution" in name:
+        return "conv"
+    if "scaled_dot_product" in name:
+        return "attention"
+    if any(k in name for k in ("mm", "matmul", "linear", "baddbmm")):
+        return "matmul"
+    return "memory"
+
+
+_NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+
+
+class _OpCostMode(TorchDispatchMode):
+    """Counts FLOPs (PyTorch's flop formulas) and bytes read + written per op, by class and dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.costs: dict[tuple[str, str], OpCost] = defaultdict(OpCost)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or func in _NO_KERNEL:
+            return out  # views and metadata ops alias their input: no kernel, no bytes moved
+        packet = func._overloadpacket
+        name = str(packet)
+        flops = 0.0
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+        elif "scaled_dot_product" in name and "for_cpu" in name:
+            flops = _cpu_attention_flops(name, args)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
+        dtype = next((str(t.dtype).removeprefix("torch.") for t in inputs if t.is_floating_point()), "other")
+        cost = self.costs[(op_class(name), dtype)]
+        cost.count += 1
+        cost.flops += flops
+        cost.bytes += moved
+        return out
+
+
+def _cpu_attention_flops(name: str, args) -> float:
+    """The CPU fused attention ops have no flop formula registered; use the CUDA ones' formulas
+    (same math) so a trace on the CPU device counts what the GPU's attention kernel would do."""
+    q, k, v = (tuple(t.shape) for t in args[:3]) if "backward" not in name else (
+        tuple(t.shape) for t in args[1:4])
+    if "backward" in name:
+        return sdpa_backward_flop_count(tuple(args[0].shape), q, k, v)
+    return sdpa_flop_count(q, k, v)
+
+
+def attention_backend(profile) -> SDPBackend | None:
+    """The fused attention kernel PyTorch would pick on the target, as far as memory is concerned.
+
+    Flash (sm80+) and memory-efficient attention (any CUDA GPU, ROCm) both keep O(S) state per head
+    (output + logsumexp), as the CPU's fused flash kernel used in the trace does; only a device
+    with neither would materialise the S x S score matrix (the math path).
+    """
+    if profile.vendor in ("nvidia", "amd") or profile.has("flash_attention"):
+        return None  # let the CPU pick its fused kernel: same saved tensors
+    return SDPBackend.MATH
+
+
+def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
+    """Trace one steady-state step of the run `run_factory()` builds, as `profile` would run it."""
+    rounding = 1 if profile.vendor == "cpu" else CUDA_ROUNDING
+    backend = attention_backend(profile)
+    notes = []
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        run: Run = run_factory()
+        stack.apply(run)
+        if run.loss_scaling:
+            # GradScaler reads its overflow flag (`.item()`), which fake tensors cannot answer; the
+            # scaler's own memory is a few scalars, so the trace runs the step unscaled.
+            run.loss_scaling = False
+            notes.append("fp16 loss scaling not traced (a few scalars of state)")
+        step = Step(run, torch.device("cpu"))
+        batch = batch_factory()
+        context = sdpa_kernel(backend) if backend else _null()
+        with context:
+            step(batch)  # untracked: creates the optimizer state, as a warm-up does
+            tracker = _RecordingMemTracker(rounding)
+            tracker.track_external(run.model, batch, *([step.optimizer] if step.optimizer else []))
+            baseline = tracker.total
+            marks: dict[str, dict[str, int]] = {}
+
+            def mark(name: str) -> None:
+                marks.setdefault(name, dict(tracker.by_category(), total=tracker.total))
+
+            tracker.peak = tracker.total
+            tracker.at_peak = tracker.by_category()
+            costs = _OpCostMode()
+            with tracker, costs:
+                step(batch, mark=mark)
+            end = tracker.by_category()
+    activations = marks["forward_end"]["total"] - marks["forward_start"]["total"] if run.mode == "train" else (
+        tracker.peak - marks["forward_start"]["total"])
+    return StepTrace(
+        peak_bytes=tracker.peak, at_peak=tracker.at_peak, params_bytes=end.get("params", 0),
+        grads_bytes=end.get("grads", 0) if run.mode == "train" else 0,
+        optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
+        costs=dict(costs.costs), baseline_bytes=baseline, precision=run.precision, notes=notes + run.notes)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def with_depth(spec, layers: int):
+    """The same size with `layers` repeated blocks (for depth extrapolation), or None if not uniform."""
+    if "n_layer" not in spec.config:
+        return None
+    return dataclasses.replace(spec, config={**spec.config, "n_layer": layers})
