@@ -30,6 +30,9 @@ TABLE_COLUMNS = [
     ("step_time_cv", "CV", fmt.percent), ("noisy", "noisy", lambda v: fmt.flag(v, "NOISY")),
     ("throughput_samples_s", "samples/s", fmt.number), ("tokens_per_s", "tokens/s", lambda v: fmt.number(v, 0)),
     ("mfu", "MFU", fmt.percent), ("usd_per_million_samples", "USD / M samples", fmt.usd),
+    ("fits", "fits", lambda v: fmt.EMPTY if fmt.missing(v) else ("yes" if v else "NO")),
+    ("peak_error_vs_measured", "peak err vs measured", fmt.percent),
+    ("step_time_error_vs_measured", "step err vs measured", fmt.percent),
 ]
 ENV_COLUMNS = ["device_name", "torch_version", "cuda_version", "driver_version", "git_sha", "hostname"]
 
@@ -50,6 +53,8 @@ def build_context(frame: pd.DataFrame) -> dict:
     environments = (frame[ENV_COLUMNS + ["run_id"]].drop_duplicates().astype(object)
                     .map(fmt.text).to_dict("records") if len(frame) else [])
     sources = sorted(frame["source"].dropna().unique()) if len(frame) else []
+    measured_gpus = set(frame.loc[frame["source"] == "measured", "gpu"]) if len(frame) else set()
+    projected_gpus = sorted(set(frame.loc[frame["source"] == "projected", "gpu"]) - measured_gpus) if len(frame) else []
     return {
         "title": "headroom report",
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -57,6 +62,7 @@ def build_context(frame: pd.DataFrame) -> dict:
         "row_count": len(frame),
         "status_counts": frame["status"].value_counts().to_dict() if len(frame) else {},
         "projected_only": sources == ["projected"],
+        "projected_gpus": projected_gpus,
         "sources": sources,
         "workloads": workloads,
         "environments": environments,

@@ -7,7 +7,7 @@ import pandas as pd
 EMPTY = "–"
 
 
-def _missing(value) -> bool:
+def missing(value) -> bool:
     try:
         return bool(pd.isna(value))
     except (TypeError, ValueError):  # containers are not missing scalars
@@ -16,7 +16,7 @@ def _missing(value) -> bool:
 
 def bytes_(value) -> str:
     """Bytes in binary units (GiB/MiB/KiB), as allocators and nvidia-smi count them."""
-    if _missing(value):
+    if missing(value):
         return EMPTY
     value = float(value)
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -28,27 +28,27 @@ def bytes_(value) -> str:
 
 
 def number(value, digits: int = 1) -> str:
-    if _missing(value):
+    if missing(value):
         return EMPTY
     return f"{float(value):,.{digits}f}"
 
 
 def percent(value) -> str:
-    if _missing(value):
+    if missing(value):
         return EMPTY
     return f"{100 * float(value):.1f}%"
 
 
 def usd(value) -> str:
-    if _missing(value):
+    if missing(value):
         return EMPTY
     return f"${float(value):,.2f}"
 
 
 def text(value) -> str:
-    return EMPTY if _missing(value) or value == "" else str(value)
+    return EMPTY if missing(value) or value == "" else str(value)
 
 
 def flag(value, label: str) -> str:
     """`label` where a boolean flag is set, the empty mark where it is unset or unknown."""
-    return label if not _missing(value) and bool(value) else EMPTY
+    return label if not missing(value) and bool(value) else EMPTY

@@ -172,14 +172,23 @@ def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profi
     budget = profile.memory_bytes - first.overhead - first.reserved["native"]
     guess = limit if slope <= 0 else min(limit, step + int(budget / slope) // step * step)
     guess = max(step, guess - guess % step)
-    if fits_at(workload, spec, stack, mode, guess, profile):
-        return guess
-    low, high = step, guess  # low fits, high does not
+
+    def fits(batch: int) -> bool:
+        return fits_at(workload, spec, stack, mode, batch, profile)
+
+    # Bracket the answer around the affine guess (low fits, high does not), then bisect.
+    if fits(guess):
+        low, high, jump = guess, guess + step, step
+        while high <= limit and fits(high):
+            low, jump = high, jump * 2
+            high = low + jump
+        if high > limit:
+            return low
+    else:
+        low, high = step, guess
     while high - low > step:
         middle = (low + high) // 2 // step * step
-        if middle in (low, high):
-            break
-        low, high = (middle, high) if fits_at(workload, spec, stack, mode, middle, profile) else (low, middle)
+        low, high = (middle, high) if fits(middle) else (low, middle)
     return low
 
 

@@ -1,0 +1,150 @@
+"""Projection: the fake-tensor trace against independently measured memory, the allocator model
+against the documented fragmentation example, depth extrapolation against a full trace, fit and
+max-batch answers, and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from harness.cell import MeasureSettings, measure_cell
+from harness.cli import main
+from harness.plan import Cell
+from harness.profiles import load_profiles
+from harness.project import max_batch, project, project_cell, traced
+from harness.project.allocator import replay
+from suites.techniques import parse_stack
+from suites.workloads import WORKLOADS
+
+PROFILES = load_profiles()
+MiB = 2**20
+
+
+def _allocs(start: int, count: int, size: int) -> list[tuple[str, int, int]]:
+    return [("alloc", start + i, size) for i in range(count)]
+
+
+def _frees(start: int, count: int) -> list[tuple[str, int, int]]:
+    return [("free", start + i, 0) for i in range(count)]
+
+
+def test_allocator_model_reproduces_the_documented_fragmentation_example():
+    # reference/calibration.md: 8 x 16 MiB then 4 x 32 MiB reserves 256 MiB; large-then-small 128 MiB.
+    bad = _allocs(0, 8, 16 * MiB) + _frees(0, 8) + _allocs(8, 4, 32 * MiB)
+    good = _allocs(0, 4, 32 * MiB) + _frees(0, 4) + _allocs(4, 8, 16 * MiB)
+    assert replay(bad).peak_reserved == 256 * MiB
+    assert replay(good).peak_reserved == 128 * MiB
+    # Expandable segments reuse freed ranges whatever the order.
+    assert replay(bad, "expandable_segments").peak_reserved < 160 * MiB
+
+
+def test_allocator_model_segment_rules_and_oom():
+    small = replay(_allocs(0, 3, 4096))  # three small blocks share one 2 MiB segment
+    assert small.peak_reserved == 2 * MiB and small.peak_allocated == 3 * 4096
+    assert replay(_allocs(0, 1, 3 * MiB)).peak_reserved == 20 * MiB  # 1-10 MiB: a 20 MiB segment
+    assert replay(_allocs(0, 1, 11 * MiB)).peak_reserved == 12 * MiB  # >= 10 MiB: rounded to 2 MiB
+    # Freed 16 MiB segments are released and retried before an OOM is declared.
+    bad = _allocs(0, 8, 16 * MiB) + _frees(0, 8) + _allocs(8, 4, 32 * MiB)
+    assert not replay(bad, capacity=200 * MiB).oom
+    assert replay(_allocs(0, 4, 32 * MiB), capacity=100 * MiB).oom
+
+
+CASES = [(w, t) for w in ("resnet50", "bert", "gpt") for t in ("baseline", "amp-bf16", "checkpointing")]
+
+
+@pytest.mark.parametrize("workload_name, technique", CASES)
+def test_projected_peak_is_within_3_percent_of_the_measured_peak(workload_name, technique):
+    workload = WORKLOADS[workload_name]
+    spec = workload.sizes["smoke"]
+    cell = Cell(workload_name, "smoke", "train", technique, "cpu", spec.batch_size)
+    measured = measure_cell(cell, PROFILES["cpu"], "t", MeasureSettings(warmup=1, steps=10, repeats=1))
+    projected = project(workload, spec, parse_stack(technique), "train", spec.batch_size, PROFILES["cpu"]).memory
+    error = projected.peak_allocated / measured.peak_allocated_bytes - 1
+    assert abs(error) < 0.03, f"projected {projected.peak_allocated} vs measured {measured.peak_allocated_bytes}"
+    assert projected.params == measured.params_bytes
+    assert projected.optimizer == measured.optimizer_bytes
+
+
+def test_depth_extrapolation_matches_a_full_trace_of_a_mid_size_model():
+    workload = WORKLOADS["gpt"]
+    spec = dataclasses.replace(workload.sizes["gpt2-124m"], seq_len=256, batch_size=1)
+    stack = parse_stack("amp-bf16")
+    h100 = PROFILES["h100-sxm"]
+    extrapolated = project(workload, spec, stack, "train", 1, h100)
+    assert extrapolated.memory.extrapolated_from  # 12 layers: traced at two small depths
+    full = traced(workload, spec, stack, "train", 1, h100)
+    assert abs(extrapolated.memory.peak_allocated / full.peak_bytes - 1) < 0.005
+    assert abs(extrapolated.memory.activations / full.activations_bytes - 1) < 0.005
+    assert abs(extrapolated.trace.flops / full.flops - 1) < 0.005
+
+
+def test_cuda_profiles_round_allocations_to_512_bytes():
+    workload = WORKLOADS["gpt"]
+    spec = workload.sizes["smoke"]
+    stack = parse_stack("baseline")
+    on_gpu = traced(workload, spec, stack, "train", 4, PROFILES["a100-sxm4-80gb"])
+    on_cpu = traced(workload, spec, stack, "train", 4, PROFILES["cpu"])
+    assert all(size % 512 == 0 for kind, _, size in on_gpu.events if kind == "alloc")
+    assert on_gpu.peak_bytes > on_cpu.peak_bytes
+
+
+def test_gpt3_175b_training_does_not_fit_one_gpu_and_says_by_how_much():
+    cell = Cell("gpt", "gpt3-175b", "train", "amp-bf16", "h100-sxm", 1, source="projected")
+    record = project_cell(cell, PROFILES["h100-sxm"], "t")
+    assert record.status == "oom" and record.fits is False
+    assert "GiB reserved" in record.reason and "80 GiB on h100-sxm" in record.reason
+    # Parameters in fp32 (4 B) plus AdamW's two moments (8 B) for ~175e9 parameters (C3's order).
+    assert 0.68e12 < record.params_bytes < 0.72e12
+    assert 1.36e12 < record.optimizer_bytes < 1.44e12
+    assert record.source == "projected" and record.step_time_ms_p50 > 0 and 0 < record.mfu < 1
+
+
+def test_bf16_is_unsupported_on_a_t4_projection():
+    cell = Cell("gpt", "gpt2-124m", "train", "amp-bf16", "t4", 8, source="projected")
+    record = project_cell(cell, PROFILES["t4"], "t")
+    assert record.status == "unsupported" and "bf16" in record.reason
+
+
+def test_max_batch_fits_and_one_more_step_does_not():
+    workload = WORKLOADS["bert"]
+    spec = workload.sizes["bert-base"]
+    stack = parse_stack("baseline")
+    t4 = PROFILES["t4"]
+    best = max_batch(workload, spec, stack, "train", t4)
+    assert best >= 1
+    assert project(workload, spec, stack, "train", best, t4).memory.fits
+    assert not project(workload, spec, stack, "train", best + 1, t4).memory.fits
+
+
+def test_project_command_prints_one_json_record(capsys):
+    assert main(["project", "--workload", "bert", "--size", "bert-base", "--gpu", "a100-sxm4-80gb",
+                 "--technique", "amp-bf16+checkpointing", "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["source"] == "projected" and record["status"] == "ok" and record["fits"] is True
+    assert record["technique"] == "checkpointing+amp-bf16" and record["usd_per_million_samples"] > 0
+
+
+def test_project_command_largest_model(capsys):
+    assert main(["project", "--gpu", "h200", "--technique", "amp-bf16", "--largest-model", "--format", "json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    # 141 GiB: a 1.3B model trains with AdamW in mixed precision; 6.7B (~108 GB of state) plus
+    # activations at sequence 4096 does not.
+    assert answer["largest_size_that_fits"] == "gpt2-1.3b"
+
+
+def test_bench_family_without_that_gpu_projects_and_says_so(tmp_path, capsys):
+    out = tmp_path / "a100"
+    code = main(["run", "--gpu", "a100", "--workload", "gpt", "--technique", "baseline", "--mode", "infer",
+                 "--out", str(out)])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "PROJECTED" in err and "a100-sxm4-80gb" in err
+    import pandas as pd
+
+    frame = pd.read_parquet(out / "results.parquet")
+    assert set(frame["source"]) == {"projected"} and len(frame) == 4
+    assert set(frame["gpu"]) == {"a100-pcie-40gb", "a100-sxm4-40gb", "a100-pcie-80gb", "a100-sxm4-80gb"}
+    assert "<strong>projected</strong>" in (out / "report.html").read_text()
+    assert main(["run", "--gpu", "a100", "--require-device", "--out", str(tmp_path / "x")]) == 2
