@@ -97,8 +97,12 @@ def traced(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_si
 
 
 def _reserved(trace: StepTrace) -> dict[str, int]:
-    return {setting: replay(trace.events, setting).peak_reserved
-            for setting in ("native", "expandable_segments", "cudaMallocAsync")}
+    """Peak reserved bytes under each allocator setting (computed once per trace: it does not depend
+    on the profile, only on the allocation log)."""
+    if trace.reserved is None:
+        trace.reserved = {setting: replay(trace.events, setting).peak_reserved
+                          for setting in ("native", "expandable_segments", "cudaMallocAsync")}
+    return trace.reserved
 
 
 def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> float:

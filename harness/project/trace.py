@@ -59,6 +59,7 @@ class StepTrace:
     baseline_bytes: int = 0  # live before the tracked step (params, optimizer state, batch)
     precision: str = "fp32"
     notes: list[str] = field(default_factory=list)
+    reserved: dict[str, int] | None = None  # allocator setting -> peak reserved, filled once by the model
 
     @property
     def flops(self) -> float:
@@ -207,6 +208,10 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             marks: dict[str, dict[str, int]] = {}
 
             def mark(name: str) -> None:
+                if name == "forward_start" and name in marks:
+                    # Accumulation runs the model again within the step; MemTracker keeps per-module
+                    # stats for one call, so clear them (its categories and our log carry on).
+                    tracker.reset_mod_stats()
                 marks.setdefault(name, dict(tracker.by_category(), total=tracker.total))
 
             tracker.peak = tracker.total
