@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workload", type=_csv, default=None, help="comma-separated (default: all)")
     run.add_argument("--size", type=_csv, default=None, help="comma-separated size ids (default: by --scale)")
     run.add_argument("--technique", type=_csv, default=None, metavar="STACK,...",
-                     help="technique stacks such as baseline,amp-bf16+checkpointing (default: each technique)")
+                     help="technique stacks such as baseline,amp-bf16+checkpointing or recipes such as small-model; "
+                          "'all' for every technique and recipe (default: baseline, amp-bf16, amp-fp16, "
+                          "checkpointing, grad-accumulation)")
     run.add_argument("--gpu", type=_csv, default=None, help="profile ids or families (default: the local device)")
     run.add_argument("--scale", default=None, help="smoke|standard|large (default: smoke on CPU, standard on GPU)")
     run.add_argument("--mode", type=_csv, default=["train", "infer"], help="train, infer or both (default)")
@@ -114,11 +116,11 @@ def cmd_run(args) -> int:
     from rich.console import Console
 
     from harness.cell import MeasureSettings
-    from harness.plan import expand
+    from harness.plan import DEFAULT_STACKS, expand
     from harness.profiles import detect_local, resolve_gpus
     from harness.records import DEFAULT_NOISE_THRESHOLD, ResultsStore
     from harness.run import DEFAULT_CELL_TIMEOUT_S, RunOptions, run_plan
-    from suites.techniques import technique_names
+    from suites.techniques import stack_names
     from suites.workloads import WORKLOADS
 
     console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
@@ -134,7 +136,10 @@ def cmd_run(args) -> int:
     if args.repeats < 1 or args.warmup < 0:
         raise UsageError("--repeats must be >= 1 and --warmup >= 0")
     workloads = args.workload or list(WORKLOADS)
-    stacks = args.technique or technique_names()
+    if args.technique == ["all"]:
+        stacks = stack_names()
+    else:
+        stacks = args.technique or list(DEFAULT_STACKS)
     scale = args.scale or ("smoke" if local.vendor == "cpu" else "standard")
     measured = expand(workloads, stacks, [g for g in gpus if g.id == local.id], args.mode, scale=scale,
                       sizes=args.size, batch_size=args.batch_size)
@@ -273,11 +278,13 @@ def cmd_families(args) -> int:
 
 
 def cmd_techniques(args) -> int:
-    from suites.techniques import TECHNIQUES
+    from suites.techniques import RECIPES, TECHNIQUES
 
-    print(f"{'baseline':20} {'':10} no technique")
+    print(f"{'baseline':24} {'':4} {'':10} no technique")
     for technique in TECHNIQUES.values():
-        print(f"{technique.id:20} {technique.guide:4} {technique.phase.name.lower():10} {technique.summary}")
+        print(f"{technique.id:24} {technique.guide:4} {technique.phase.name.lower():10} {technique.summary}")
+    for recipe in RECIPES.values():
+        print(f"{recipe.name:24} {'C14':4} {'recipe':10} {'+'.join(recipe.techniques)}: {recipe.summary}")
     return 0
 
 

@@ -14,6 +14,9 @@ from suites.workloads import get_workload
 from suites.workloads.base import SCALES
 
 MODES = ("train", "infer")
+# The default suite (`headroom run` / `nox -s bench` without --technique): the guide's first-line
+# techniques, sized to finish in minutes on a CPU. `--technique all` runs every technique and recipe.
+DEFAULT_STACKS = ("baseline", "amp-bf16", "amp-fp16", "checkpointing", "grad-accumulation")
 
 
 @dataclass(frozen=True)

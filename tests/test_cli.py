@@ -21,9 +21,10 @@ def test_run_writes_frame_csv_and_report(small_run):
     assert code == 0
     frame = pd.read_parquet(out / "results.parquet")
     csv = pd.read_csv(out / "results.csv")
-    assert len(frame) == len(csv) == 4
-    assert set(frame["status"]) == {"ok", "unsupported"}
-    ok = frame[frame["status"] == "ok"]
+    assert len(frame) == len(csv) == 8  # 4 measured cells, each with its projected twin
+    measured = frame[frame["source"] == "measured"]
+    assert set(measured["status"]) == {"ok", "unsupported"}
+    ok = measured[measured["status"] == "ok"]
     assert len(ok) == 3 and set(ok["source"]) == {"measured"} and set(ok["gpu"]) == {"cpu"}
     assert (ok["timed_steps"] >= 10).all()
     assert (ok["step_time_ms_p90"] >= ok["step_time_ms_p50"]).all()
@@ -34,9 +35,18 @@ def test_run_writes_frame_csv_and_report(small_run):
     assert "<h2>gpt</h2>" in html and "checkpointing" in html
 
 
+def test_projected_twins_carry_their_error_against_the_measurement(small_run):
+    _, out = small_run
+    frame = pd.read_parquet(out / "results.parquet")
+    twins = frame[(frame["source"] == "projected") & (frame["status"] == "ok")]
+    assert len(twins) == 3
+    assert (twins["peak_error_vs_measured"].abs() < 0.03).all()
+
+
 def test_checkpointing_holds_fewer_activation_bytes(small_run):
     _, out = small_run
-    frame = pd.read_parquet(out / "results.parquet").set_index(["mode", "technique"])
+    frame = pd.read_parquet(out / "results.parquet")
+    frame = frame[frame["source"] == "measured"].set_index(["mode", "technique"])
     base = frame.loc[("train", "baseline")]
     ckpt = frame.loc[("train", "checkpointing")]
     assert ckpt["activations_bytes"] < base["activations_bytes"]
@@ -55,7 +65,7 @@ def test_report_merges_results(small_run, tmp_path, capsys):
     (["run", "--technique", "amp-bf17"], "did you mean amp-bf16"),
     (["run", "--technique", "amp-bf16+amp-fp16"], "incompatible stack"),
     (["run", "--gpu", "a1000"], "unknown GPU 'a1000'"),
-    (["run", "--gpu", "a100"], "no a100-pcie-40gb"),
+    (["run", "--gpu", "a100", "--require-device"], "--require-device: no a100-pcie-40gb"),
     (["run", "--scale", "huge"], "unknown scale 'huge'"),
     (["run", "--size", "gpt2-9b"], "unknown size 'gpt2-9b'"),
     (["run", "--mode", "serve"], "unknown mode 'serve'"),

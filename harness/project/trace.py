@@ -55,7 +55,8 @@ class StepTrace:
     optimizer_bytes: int
     activations_bytes: int
     events: list[tuple[str, int, int]]  # ("alloc", id, bytes) / ("free", id, 0), in order
-    costs: dict[tuple[str, str], OpCost] = field(default_factory=dict)  # (op class, dtype) -> cost
+    # (step phase, op class, dtype) -> cost; phases: forward, backward, optimizer
+    costs: dict[tuple[str, str, str], OpCost] = field(default_factory=dict)
     baseline_bytes: int = 0  # live before the tracked step (params, optimizer state, batch)
     precision: str = "fp32"
     notes: list[str] = field(default_factory=list)
@@ -137,25 +138,28 @@ class _OpCostMode(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.costs: dict[tuple[str, str], OpCost] = defaultdict(OpCost)
+        self.costs: dict[tuple[str, str, str], OpCost] = defaultdict(OpCost)
+        self.phase = "forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.is_view or func in _NO_KERNEL:
             return out  # views and metadata ops alias their input: no kernel, no bytes moved
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         packet = func._overloadpacket
         name = str(packet)
+        if func.namespace == "prim" or (not outputs and not name.startswith("aten._foreach_")):
+            return out  # metadata queries (device, sizes): no kernel; in-place foreach ops return None
         flops = 0.0
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
         elif "scaled_dot_product" in name and "for_cpu" in name:
             flops = _cpu_attention_flops(name, args)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
         dtype = next((str(t.dtype).removeprefix("torch.") for t in inputs if t.is_floating_point()), "other")
-        cost = self.costs[(op_class(name), dtype)]
+        cost = self.costs[(self.phase, op_class(name), dtype)]
         cost.count += 1
         cost.flops += flops
         cost.bytes += moved
@@ -207,7 +211,11 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             baseline = tracker.total
             marks: dict[str, dict[str, int]] = {}
 
+            costs = _OpCostMode()
+            phase_after = {"forward_start": "forward", "forward_end": "backward", "backward_end": "optimizer"}
+
             def mark(name: str) -> None:
+                costs.phase = phase_after.get(name, costs.phase)
                 if name == "forward_start" and name in marks:
                     # Accumulation runs the model again within the step; MemTracker keeps per-module
                     # stats for one call, so clear them (its categories and our log carry on).
@@ -216,7 +224,6 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
 
             tracker.peak = tracker.total
             tracker.at_peak = tracker.by_category()
-            costs = _OpCostMode()
             with tracker, costs:
                 step(batch, mark=mark)
             end = tracker.by_category()

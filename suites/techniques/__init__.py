@@ -9,10 +9,16 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from suites.recipes import RECIPES
 from suites.techniques import (
     accumulation,  # T6
     checkpointing,  # T5
+    lowrank,  # T3
     precision,  # T1
+    pruning,  # T4
+    quantization,  # T7-T9
+    sharing,  # T2
+    sparsity,  # T10-T12
 )
 from suites.techniques.base import Phase, Run, Technique, Unsupported
 
@@ -21,6 +27,11 @@ FAMILIES = [
     precision,
     checkpointing,
     accumulation,
+    sharing,
+    lowrank,
+    pruning,
+    quantization,
+    sparsity,
 ]
 
 BASELINE = "baseline"
@@ -42,13 +53,19 @@ for _family in FAMILIES:
 
 @dataclass(frozen=True)
 class Stack:
-    """Techniques in the order they are applied; `name` is the canonical spelling for records."""
+    """Techniques in the order they are applied; `name` is the canonical spelling for records.
+
+    A stack from a named recipe keeps the recipe's name, and lists the techniques it names that are
+    not implemented (`missing`): such a stack checks as unsupported everywhere, with that reason.
+    """
 
     techniques: tuple[Technique, ...]
+    recipe: str | None = None
+    missing: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        return "+".join(t.id for t in self.techniques) or BASELINE
+        return self.recipe or "+".join(t.id for t in self.techniques) or BASELINE
 
     @property
     def changes_numerics(self) -> bool:
@@ -56,6 +73,9 @@ class Stack:
 
     def check(self, profile, workload, mode: str) -> str | None:
         """The first reason any technique cannot run here, or None."""
+        if self.missing:
+            return (f"recipe {self.recipe} needs {', '.join(self.missing)}, which headroom does not implement yet "
+                    f"(parallel techniques have their own issue)")
         for technique in self.techniques:
             reason = technique.check(profile, workload, mode)
             if reason:
@@ -63,6 +83,8 @@ class Stack:
         return None
 
     def apply(self, run: Run) -> Run:
+        if self.missing:
+            raise Unsupported(self.check(run.profile, run.workload, run.mode))
         for technique in self.techniques:
             technique.apply(run)
         return run
@@ -70,6 +92,11 @@ class Stack:
 
 def technique_names() -> list[str]:
     return [BASELINE, *TECHNIQUES]
+
+
+def stack_names() -> list[str]:
+    """Everything `parse_stack` accepts as a single name: techniques and recipes."""
+    return [*technique_names(), *RECIPES]
 
 
 def parse_stack(text: str) -> Stack:
@@ -84,15 +111,23 @@ def parse_stack(text: str) -> Stack:
     parts = [p.strip() for p in text.split("+")]
     if parts == [BASELINE]:
         return Stack(())
+    if text in RECIPES:
+        recipe = RECIPES[text]
+        known = [name for name in recipe.techniques if name in TECHNIQUES]
+        missing = tuple(name for name in recipe.techniques if name not in TECHNIQUES)
+        return Stack(parse_stack("+".join(known)).techniques if known else (), recipe=text, missing=missing)
+    for part in parts:
+        if part in RECIPES:
+            raise ValueError(f"recipe {part!r} is a whole stack and cannot be combined: {text!r}")
     techniques: list[Technique] = []
     for part in parts:
         if part == BASELINE:
             raise ValueError(f"'baseline' means no technique and cannot be stacked: {text!r}")
         if part not in TECHNIQUES:
-            close = difflib.get_close_matches(part, technique_names(), n=3, cutoff=0.5)
+            close = difflib.get_close_matches(part, stack_names(), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown technique {part!r} in stack {text!r}{hint} "
-                             f"(valid: {', '.join(technique_names())})")
+                             f"(valid: {', '.join(stack_names())})")
         technique = TECHNIQUES[part]
         if technique in techniques:
             raise ValueError(f"technique {part!r} appears twice in stack {text!r}")
@@ -101,10 +136,10 @@ def parse_stack(text: str) -> Stack:
             raise ValueError(f"incompatible stack {text!r}: {clash.id} and {part} are both "
                              f"{technique.exclusive} techniques; pick one")
         techniques.append(technique)
-    # Phase order, then id within a phase, so every spelling of a stack has one canonical name.
-    techniques.sort(key=lambda t: (t.phase, t.id))
+    # Phase order, then order and id within a phase, so every spelling of a stack has one canonical name.
+    techniques.sort(key=lambda t: (t.phase, t.order, t.id))
     return Stack(tuple(techniques))
 
 
-__all__ = ["BASELINE", "TECHNIQUES", "Phase", "Run", "Stack", "Technique", "Unsupported",
-           "parse_stack", "register", "technique_names"]
+__all__ = ["BASELINE", "RECIPES", "TECHNIQUES", "Phase", "Run", "Stack", "Technique", "Unsupported",
+           "parse_stack", "register", "stack_names", "technique_names"]

@@ -3,7 +3,8 @@
 A technique says whether it can run on a GPU profile for a workload (`check` -> None or the reason),
 and `apply` changes the `Run` (model structure, step settings, environment). Stacks such as
 `amp-bf16+checkpointing` apply their techniques in phase order, the order torchtitan documents:
-structure -> parallelism -> checkpointing -> compile -> data parallel -> step level -> runtime.
+structure -> compression -> parallelism -> checkpointing -> compile -> data parallel -> step level
+-> runtime.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ if TYPE_CHECKING:  # profiles are a contract; only their type is needed here
 class Phase(enum.IntEnum):
     """Where in the build a technique acts; a stack applies lower phases first."""
 
-    STRUCTURE = 0      # sharing, low-rank, pruning, quantisation: change the model itself
-    PARALLEL = 1       # tensor / sequence / expert parallelism
-    CHECKPOINT = 2     # activation recomputation wraps the (possibly parallelised) blocks
-    COMPILE = 3
-    DATA_PARALLEL = 4  # FSDP / DDP wrap last among model transforms
-    STEP = 5           # autocast, loss scaling, accumulation: how a step runs
-    RUNTIME = 6        # allocator and environment settings, fixed before the device starts
+    STRUCTURE = 0      # sharing, low-rank, pruning: change the model's shape
+    COMPRESS = 1       # quantisation, sparsity, fp8 modules: act on the final weights, so after STRUCTURE
+    PARALLEL = 2       # tensor / sequence / expert parallelism
+    CHECKPOINT = 3     # activation recomputation wraps the (possibly parallelised) blocks
+    COMPILE = 4
+    DATA_PARALLEL = 5  # FSDP / DDP wrap last among model transforms
+    STEP = 6           # autocast, loss scaling, accumulation: how a step runs
+    RUNTIME = 7        # allocator and environment settings, fixed before the device starts
 
 
 class Unsupported(Exception):
@@ -86,6 +88,8 @@ class Technique:
         apply: transforms the Run in place; raises Unsupported for run-specific limits.
         exclusive: techniques sharing a group cannot be stacked (two precisions, say).
         guide: the guide's id (T1...).
+        order: position within the phase (lower first): sparsity masks the float weights (0) before
+            quantisation stores them (1) or fp8 swaps the layers (2).
     """
 
     id: str
@@ -96,6 +100,7 @@ class Technique:
     apply: Callable[[Run], None]
     exclusive: str | None = None
     guide: str = ""
+    order: int = 0
 
 
 def always(profile: GpuProfile, workload: Workload, mode: str) -> str | None:

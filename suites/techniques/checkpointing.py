@@ -4,25 +4,75 @@ Activation memory drops from all intermediate tensors of every block to one tens
 price of one extra forward pass (about +33% FLOPs when backward costs twice the forward; Chen et al.
 2016, arXiv:1604.06174). Each repeated block is wrapped, as torchtitan does, with PyTorch's
 non-reentrant checkpoint wrapper.
+
+Selective checkpointing keeps the outputs of the expensive ops (matmuls, attention, convolutions) and
+recomputes only the cheap ones (norms, activations, elementwise), so it saves less memory than full
+checkpointing but costs almost no extra FLOPs (Korthikanti et al. 2022, arXiv:2205.05198; PyTorch's
+`torch.utils.checkpoint.create_selective_checkpoint_contexts`, as in torchtitan's op-level SAC).
 """
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from suites.techniques.base import Phase, Run, Technique, Unsupported, train_only
 
 
-def _apply(run: Run) -> None:
+def _wrap_blocks(run: Run, **checkpoint_kwargs) -> int:
     containers = run.workload.block_lists(run.model)
     if not containers:
         raise Unsupported(f"workload {run.workload.name!r} exposes no repeated blocks to checkpoint")
     wrapped = 0
     for container in containers:
         for index, block in enumerate(list(container)):
-            container[index] = checkpoint_wrapper(block, preserve_rng_state=True)
+            container[index] = checkpoint_wrapper(block, preserve_rng_state=True, **checkpoint_kwargs)
             wrapped += 1
-    run.notes.append(f"checkpointed {wrapped} blocks")
+    return wrapped
+
+
+def _note_batch_norm(run: Run) -> None:
+    # Recomputing a block re-runs its batch norms in training mode, which updates their running
+    # statistics a second time; the step's loss and gradients are unaffected.
+    if any(isinstance(m, _BatchNorm) for m in run.model.modules()):
+        run.notes.append("batch norm is recomputed, so its running statistics get a second update per step")
+
+
+def _apply(run: Run) -> None:
+    run.notes.append(f"checkpointed {_wrap_blocks(run)} blocks")
+    _note_batch_norm(run)
+
+
+# Ops whose outputs selective checkpointing keeps: the matmuls, every fused attention kernel (flash,
+# memory-efficient, cuDNN, the CPU flash kernel, the out-of-tree backend hook) and convolutions.
+# torchtitan's policy also recomputes every second mm to save more; this one keeps all of them, the
+# plain "save compute-bound, recompute memory-bound" rule. Looked up by name: not every torch has all.
+_SAVED_OP_NAMES = (
+    "mm", "addmm", "bmm", "convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
+SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in _SAVED_OP_NAMES
+                      if hasattr(torch.ops.aten, name))
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    # A fresh pair of contexts per checkpointed call: they hold that call's saved outputs.
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def _apply_selective(run: Run) -> None:
+    wrapped = _wrap_blocks(run, context_fn=_selective_contexts)
+    run.notes.append(f"selectively checkpointed {wrapped} blocks: matmul/attention/conv outputs kept, "
+                     "other ops recomputed")
+    _note_batch_norm(run)
 
 
 CHECKPOINTING = Technique(
@@ -30,4 +80,9 @@ CHECKPOINTING = Technique(
     summary="recompute each block's activations in backward (per-block checkpointing)",
     check=train_only("checkpointing"), apply=_apply, exclusive="checkpointing")
 
-TECHNIQUES = (CHECKPOINTING,)
+SELECTIVE_CHECKPOINTING = Technique(
+    id="selective-checkpointing", phase=Phase.CHECKPOINT, changes_numerics=False, guide="T5",
+    summary="per block, keep matmul/attention/conv outputs and recompute the cheap ops in backward",
+    check=train_only("selective-checkpointing"), apply=_apply_selective, exclusive="checkpointing")
+
+TECHNIQUES = (CHECKPOINTING, SELECTIVE_CHECKPOINTING)

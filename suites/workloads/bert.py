@@ -51,12 +51,16 @@ class SelfAttention(nn.Module):
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, D = x.shape
-        heads = (B, S, self.n_head, D // self.n_head)
-        q, k, v = (t.view(heads).transpose(1, 2) for t in self.qkv(x).split(D, dim=2))
+        B, S, _ = x.shape
+        qkv = self.qkv(x)
+        # The attention width is read from qkv's output, not the model width, so a structurally pruned
+        # module (fewer heads: fewer qkv rows and proj columns, smaller n_head) keeps working.
+        inner = qkv.shape[-1] // 3
+        heads = (B, S, self.n_head, inner // self.n_head)
+        q, k, v = (t.view(heads).transpose(1, 2) for t in qkv.split(inner, dim=2))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)  # no padding, so no mask
-        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+        return self.proj(y.transpose(1, 2).reshape(B, S, inner))
 
 
 class Layer(nn.Module):

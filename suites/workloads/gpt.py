@@ -86,14 +86,18 @@ class CausalSelfAttention(nn.Module):
         self.rope_theta = cfg.rope_theta if cfg.family == "llama" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, D = x.shape
-        heads = (B, S, self.n_head, D // self.n_head)
-        q, k, v = (t.view(heads).transpose(1, 2) for t in self.qkv(x).split(D, dim=2))
+        B, S, _ = x.shape
+        qkv = self.qkv(x)
+        # The attention width is read from qkv's output, not the model width, so a structurally pruned
+        # module (fewer heads: fewer qkv rows and proj columns, smaller n_head) keeps working.
+        inner = qkv.shape[-1] // 3
+        heads = (B, S, self.n_head, inner // self.n_head)
+        q, k, v = (t.view(heads).transpose(1, 2) for t in qkv.split(inner, dim=2))
         if self.rope_theta is not None:
             q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, S, D)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, S, inner)))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,239 @@
+"""Structured pruning (guide T4): remove whole attention heads, MLP neurons and conv channels.
+
+Unlike unstructured pruning, the model really gets smaller and stays dense: the weight tensors are
+rebuilt with fewer rows and columns, so parameters, gradients, optimizer state and activations all
+shrink without sparse kernels. Heads and neurons are ranked by the L2 norm of all weights that belong
+to them (a head's q, k and v rows and its output-projection columns; a neuron's up/gate rows and its
+down-projection column), a weight-only stand-in for Michel et al.'s gradient-based head importance
+(2019, "Are Sixteen Heads Really Better than One?", arXiv:1905.10650). ResNet bottlenecks lose output
+channels of their two inner convs, ranked by each filter's L1 norm as in Li et al. 2017 ("Pruning
+Filters for Efficient ConvNets", arXiv:1608.08710); block outputs keep their width, so the residual
+additions still line up.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from suites.techniques.base import Phase, Run, Technique, Unsupported, always
+
+# Fractions removed from every block: attention heads (at least one head is kept), MLP neurons, and
+# the output channels of a ResNet bottleneck's 1x1-reduce and 3x3 convs.
+DEFAULT_HEAD_FRACTION = 0.25
+DEFAULT_NEURON_FRACTION = 0.25
+DEFAULT_CHANNEL_FRACTION = 0.25
+
+Layer = nn.Linear | nn.Conv2d
+
+
+def _leaves(module: nn.Module) -> tuple[Layer, Layer]:
+    """(first, last) dense layer of a prunable module: a Linear/Conv2d, or a two-layer low-rank factor."""
+    if isinstance(module, Layer):
+        return module, module
+    if (isinstance(module, nn.Sequential) and len(module) == 2
+            and all(isinstance(m, Layer) for m in module)):
+        return module[0], module[1]
+    raise Unsupported(f"structured-pruning rebuilds dense nn.Linear / nn.Conv2d layers; found "
+                      f"{type(module).__name__}")
+
+
+def _matrix(module: nn.Module) -> torch.Tensor:
+    """The effective weight as [out, in * kernel]: the product of the factors for a low-rank pair."""
+    first, last = _leaves(module)
+    if first is last:
+        return first.weight.detach().flatten(1)
+    return last.weight.detach().flatten(1) @ first.weight.detach().flatten(1)
+
+
+def _rebuild(layer: Layer, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> Layer:
+    """A copy of `layer` keeping only output rows `rows` and input columns `cols` (None: all)."""
+    weight = layer.weight.detach()
+    if rows is not None:
+        weight = weight.index_select(0, rows)
+    if cols is not None:
+        weight = weight.index_select(1, cols)
+    bias = layer.bias is not None
+    kwargs = dict(bias=bias, device=weight.device, dtype=weight.dtype)
+    if isinstance(layer, nn.Linear):
+        new = nn.Linear(weight.shape[1], weight.shape[0], **kwargs)
+    else:
+        if layer.groups != 1:
+            raise Unsupported(f"structured-pruning handles ungrouped convs; found groups={layer.groups}")
+        new = nn.Conv2d(weight.shape[1], weight.shape[0], layer.kernel_size, stride=layer.stride,
+                        padding=layer.padding, dilation=layer.dilation, **kwargs)
+    with torch.no_grad():
+        new.weight.copy_(weight)
+        if bias:
+            b = layer.bias.detach()
+            new.bias.copy_(b.index_select(0, rows) if rows is not None else b)
+    new.train(layer.training)
+    return new
+
+
+def _keep_outputs(module: nn.Module, rows: torch.Tensor) -> nn.Module:
+    first, last = _leaves(module)
+    if first is last:
+        return _rebuild(first, rows=rows)
+    return nn.Sequential(first, _rebuild(last, rows=rows))
+
+
+def _keep_inputs(module: nn.Module, cols: torch.Tensor) -> nn.Module:
+    first, last = _leaves(module)
+    if first is last:
+        return _rebuild(first, cols=cols)
+    return nn.Sequential(_rebuild(first, cols=cols), last)
+
+
+def _keep_norm(norm: nn.BatchNorm2d, channels: torch.Tensor) -> nn.BatchNorm2d:
+    new = nn.BatchNorm2d(len(channels), eps=norm.eps, momentum=norm.momentum, affine=norm.affine,
+                         track_running_stats=norm.track_running_stats,
+                         device=channels.device if norm.weight is None else norm.weight.device)
+    with torch.no_grad():
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            source = getattr(norm, name)
+            if source is not None:
+                getattr(new, name).copy_(source.detach().index_select(0, channels))
+        if norm.num_batches_tracked is not None:
+            new.num_batches_tracked.copy_(norm.num_batches_tracked)
+    new.train(norm.training)
+    return new
+
+
+def _top(importance: torch.Tensor, remove: int) -> torch.Tensor:
+    """Indices of the units kept (all but the `remove` least important), in their original order."""
+    keep = importance.numel() - remove
+    return importance.topk(keep).indices.sort().values
+
+
+def prune_attention(attn: nn.Module, fraction: float) -> tuple[int, int]:
+    """Remove heads from a module with a fused `qkv` ([q; k; v] rows, heads contiguous), `proj`, `n_head`.
+
+    Returns (heads before, heads after).
+    """
+    heads = attn.n_head
+    qkv, proj = _matrix(attn.qkv), _matrix(attn.proj)
+    inner = qkv.shape[0] // 3
+    size = inner // heads
+    remove = min(int(heads * fraction), heads - 1)
+    if remove <= 0:
+        return heads, heads
+    per_head = qkv.view(3, heads, size, -1).square().sum(dim=(0, 2, 3))
+    per_head += proj.view(proj.shape[0], heads, size).square().sum(dim=(0, 2))
+    keep = _top(per_head.sqrt(), remove)
+    offsets = torch.arange(size, device=keep.device)
+    cols = (keep[:, None] * size + offsets).flatten()  # the kept heads' channels within q (or k, or v)
+    rows = torch.cat([cols + part * inner for part in range(3)])
+    attn.qkv = _keep_outputs(attn.qkv, rows)
+    attn.proj = _keep_inputs(attn.proj, cols)
+    attn.n_head = len(keep)  # the attention forward reads its width from qkv's output and this count
+    return heads, len(keep)
+
+
+def prune_mlp(mlp: nn.Module, fraction: float) -> tuple[int, int]:
+    """Remove hidden neurons of a module with `up` (+ optional `gate`) and `down` (or `proj`) layers.
+
+    Returns (neurons before, neurons after).
+    """
+    out_name = "down" if isinstance(getattr(mlp, "down", None), nn.Module) else "proj"
+    producers = [name for name in ("up", "gate") if isinstance(getattr(mlp, name, None), nn.Module)]
+    consumer = _matrix(getattr(mlp, out_name))
+    hidden = consumer.shape[1]
+    remove = min(int(hidden * fraction), hidden - 1)
+    if remove <= 0:
+        return hidden, hidden
+    importance = consumer.square().sum(dim=0)
+    for name in producers:
+        importance += _matrix(getattr(mlp, name)).square().sum(dim=1)
+    keep = _top(importance.sqrt(), remove)
+    for name in producers:
+        setattr(mlp, name, _keep_outputs(getattr(mlp, name), keep))
+    setattr(mlp, out_name, _keep_inputs(getattr(mlp, out_name), keep))
+    return hidden, len(keep)
+
+
+def prune_bottleneck(block: nn.Module, fraction: float) -> list[tuple[int, int]]:
+    """Remove output channels of conv1 (1x1 reduce) and conv2 (3x3) with their batch norms.
+
+    Returns (channels before, after) for each of the two convs.
+    """
+    changes = []
+    for conv, norm, consumer in (("conv1", "bn1", "conv2"), ("conv2", "bn2", "conv3")):
+        filters = _matrix(getattr(block, conv))
+        channels = filters.shape[0]
+        remove = min(int(channels * fraction), channels - 1)
+        if remove <= 0:
+            changes.append((channels, channels))
+            continue
+        keep = _top(filters.abs().sum(dim=1), remove)  # L1 norm of each filter (Li et al. 2017)
+        setattr(block, conv, _keep_outputs(getattr(block, conv), keep))
+        setattr(block, norm, _keep_norm(getattr(block, norm), keep))
+        setattr(block, consumer, _keep_inputs(getattr(block, consumer), keep))
+        changes.append((channels, len(keep)))
+    return changes
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("qkv", "proj", "n_head"))
+
+
+def _is_mlp(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "up", None), nn.Module) and (
+        isinstance(getattr(module, "down", None), nn.Module) or isinstance(getattr(module, "proj", None), nn.Module))
+
+
+def _is_bottleneck(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, name, None), nn.Module)
+               for name in ("conv1", "bn1", "conv2", "bn2", "conv3"))
+
+
+def prune_blocks(containers, head_fraction: float | None = None, neuron_fraction: float | None = None,
+                 channel_fraction: float | None = None) -> dict[str, Counter]:
+    """Prune every block in place; returns kind -> Counter of (before, after) widths."""
+    heads = DEFAULT_HEAD_FRACTION if head_fraction is None else head_fraction
+    neurons = DEFAULT_NEURON_FRACTION if neuron_fraction is None else neuron_fraction
+    channels = DEFAULT_CHANNEL_FRACTION if channel_fraction is None else channel_fraction
+    for name, value in (("head", heads), ("neuron", neurons), ("channel", channels)):
+        if not 0 <= value < 1:
+            raise ValueError(f"{name} fraction must be in [0, 1), got {value}")
+    changes: dict[str, Counter] = {"heads": Counter(), "MLP neurons": Counter(), "inner conv channels": Counter()}
+    seen: set[int] = set()
+    for container in containers:
+        for block in container:
+            if id(block) in seen:  # a block shared across layers is pruned once
+                continue
+            seen.add(id(block))
+            if _is_bottleneck(block):
+                for change in prune_bottleneck(block, channels):
+                    changes["inner conv channels"][change] += 1
+                continue
+            for module in list(block.modules()):
+                if _is_attention(module):
+                    changes["heads"][prune_attention(module, heads)] += 1
+                elif _is_mlp(module):
+                    changes["MLP neurons"][prune_mlp(module, neurons)] += 1
+    return {kind: counts for kind, counts in changes.items() if counts}
+
+
+def _apply(run: Run) -> None:
+    containers = run.workload.block_lists(run.model)
+    before = sum(p.numel() for p in run.model.parameters())
+    changes = prune_blocks(containers)
+    if not changes:
+        raise Unsupported(f"found no attention (qkv, proj, n_head), MLP (up, down/proj) or bottleneck "
+                          f"(conv1-3 with bn1-2) in {run.workload.name}'s blocks to prune")
+    after = sum(p.numel() for p in run.model.parameters())
+    detail = "; ".join(f"{kind} {old} -> {new} in {n} modules"
+                       for kind, counts in changes.items() for (old, new), n in sorted(counts.items()))
+    run.notes.append(f"structured pruning by weight norm: {detail}; {before:,} -> {after:,} parameters")
+
+
+STRUCTURED_PRUNING = Technique(
+    id="structured-pruning", phase=Phase.STRUCTURE, changes_numerics=True, guide="T4",
+    summary=f"remove the {DEFAULT_HEAD_FRACTION:.0%} lowest-norm heads and {DEFAULT_NEURON_FRACTION:.0%} of MLP "
+            f"neurons (ResNet: inner conv channels), rebuilding smaller dense layers",
+    check=always, apply=_apply)
+
+TECHNIQUES = (STRUCTURED_PRUNING,)

@@ -1,0 +1,306 @@
+"""Quantisation techniques (T7-T9): real int8/int4 storage, per-layer calibration, QAT gradients, accuracy."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from harness.measure.tensors import parameter_bytes
+from harness.profiles import load_profiles
+from suites.step import Step
+from suites.techniques import Run, parse_stack
+from suites.techniques import quantization as Q
+from suites.workloads import WORKLOADS
+
+PROFILES = load_profiles()
+CPU = PROFILES["cpu"]
+
+
+def _setup(workload_name: str, mode: str = "infer"):
+    workload = WORKLOADS[workload_name]
+    spec = workload.sizes["smoke"]
+    torch.manual_seed(0)
+    model = workload.build(spec).eval()
+    batch = workload.batch(spec, spec.batch_size, torch.Generator().manual_seed(1))
+    return workload, spec, model, batch
+
+
+def _run(workload, spec, model, mode: str, stack: str) -> Run:
+    run = Run(workload=workload, size=spec, mode=mode, profile=CPU, model=model, batch_size=spec.batch_size,
+              optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1))
+    parse_stack(stack).apply(run)
+    return run
+
+
+def _infer(run: Run, batch) -> torch.Tensor:
+    return Step(run, torch.device("cpu"))(batch)
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _reference(workload, model, batch) -> torch.Tensor:
+    with torch.inference_mode():
+        return workload.forward(model, batch)
+
+
+def _layers(model: nn.Module, cls) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+# --- qat-int8 -----------------------------------------------------------------------------------------
+
+
+def test_qat_trains_through_fake_quantisation_and_gradients_reach_the_float_weights():
+    workload, spec, model, batch = _setup("gpt")
+    linears = len(_layers(model, nn.Linear))
+    run = _run(workload, spec, copy.deepcopy(model), "train", "qat-int8")
+    wrapped = _layers(run.model, Q.FakeQuantized)
+    assert len(wrapped) == linears
+    assert not [m for m in run.model.modules() if type(m) is nn.Linear]  # every Linear was swapped
+
+    seen = {}
+    hooks = [w.input_fake_quant.register_forward_hook(lambda mod, args, out, w=w: seen.__setitem__(w, out.detach()))
+             for w in wrapped]
+    before = {id(w): w.layer.weight.detach().clone() for w in wrapped}
+    step = Step(run, torch.device("cpu"))
+    loss = step(batch)
+    for hook in hooks:
+        hook.remove()
+    assert torch.isfinite(loss)
+    for w in wrapped:
+        weight = w.layer.weight
+        assert weight.dtype == torch.float32 and weight.grad is not None and weight.grad.abs().sum() > 0
+        assert not torch.equal(weight.detach(), before[id(w)])  # the optimizer updated the float weights
+        # The layer saw an int8-grid input (affine, 256 levels) ...
+        fq = w.input_fake_quant
+        levels = seen[w] / fq.scale + fq.zero_point
+        torch.testing.assert_close(levels, levels.round(), atol=1e-3, rtol=0)
+        assert levels.min() >= -0.5 and levels.max() <= 255.5
+        # ... and an int8-grid weight (symmetric per output channel).
+        wfq = w.layer.weight_fake_quant
+        q = wfq(weight.detach()) / wfq.scale[:, None]
+        torch.testing.assert_close(q, q.round(), atol=1e-3, rtol=0)
+        assert q.abs().max() <= 128.5
+        assert wfq.scale.numel() == weight.shape[0]
+
+
+@pytest.mark.parametrize("workload_name", ["gpt", "bert", "resnet50"])
+def test_qat_inference_stays_close_to_the_float_model(workload_name):
+    workload, spec, model, batch = _setup(workload_name)
+    ref = _reference(workload, model, batch)
+    run = _run(workload, spec, copy.deepcopy(model), "infer", "qat-int8")
+    if workload.kind == "vision":  # convolutions are fake-quantised too
+        assert not [m for m in run.model.modules() if type(m) in (nn.Conv2d, nn.Linear)]
+    out = _infer(run, batch)
+    error = _relative_error(out, ref)
+    assert 0 < error < 0.05, error
+    assert "frozen" in run.notes[-1]
+
+
+# --- ptq-int8 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workload_name", ["gpt", "bert", "resnet50"])
+def test_ptq_stores_int8_weights_shrinks_the_layers_fourfold_and_stays_close(workload_name):
+    workload, spec, model, batch = _setup(workload_name)
+    ref = _reference(workload, model, batch)
+    float_layers = [m for m in model.modules() if type(m) in (nn.Linear, nn.Conv2d)]
+    float_bytes = sum(parameter_bytes(m) for m in float_layers)
+    run = _run(workload, spec, copy.deepcopy(model), "infer", "ptq-int8")
+    layers = _layers(run.model, Q._Int8Layer)
+    assert len(layers) == len(float_layers)
+    assert not [m for m in run.model.modules() if type(m) in (nn.Linear, nn.Conv2d)]
+    for layer in layers:
+        assert layer.weight.dtype == torch.int8
+        assert layer.weight_scale.shape == (layer.weight.shape[0],)  # per output channel
+    ratio = sum(parameter_bytes(m) for m in layers) / float_bytes
+    assert 0.25 <= ratio < 0.30, ratio  # int8 is 1/4 of fp32, plus per-channel scales and biases
+    assert parameter_bytes(run.model) < parameter_bytes(model)
+    assert _relative_error(_infer(run, batch), ref) < 0.05
+
+
+def test_ptq_calibration_gives_every_layer_its_own_range_and_is_repeatable():
+    workload, spec, model, _ = _setup("gpt")
+    runs = [_run(workload, spec, copy.deepcopy(model), "infer", "ptq-int8") for _ in range(2)]
+    scales = [[(m.input_scale.item(), m.input_zero_point.item()) for m in _layers(r.model, Q.Int8Linear)]
+              for r in runs]
+    assert scales[0] == scales[1]  # the calibration batches come from a fixed generator
+    assert len(set(scales[0])) == len(scales[0])  # no two layers share a range
+
+
+def test_ptq_int8_matmul_matches_the_dequantised_arithmetic(monkeypatch):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(32, 64) * 3 + 0.5
+    scale = (x.max() - x.min()) / 255
+    zero_point = torch.round(-128 - x.min() / scale).int()  # maps x.min() to -128: no clipping
+    layer = Q.Int8Linear(linear, scale, zero_point)
+    q = Q._quantize_activation(x, layer.input_scale, layer.input_zero_point)
+    x_dq = (q.float() - zero_point) * scale
+    w_dq = layer.weight.float() * layer.weight_scale[:, None]
+    expected = x_dq @ w_dq.t() + linear.bias.detach()
+    with torch.inference_mode():
+        int_path = layer(x)
+        monkeypatch.setattr(Q, "_int_mm_runs", lambda a, b: False)
+        float_path = layer(x)
+    torch.testing.assert_close(int_path, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(float_path, int_path, rtol=1e-5, atol=1e-5)
+    assert _relative_error(int_path, linear(x).detach()) < 0.02
+
+
+def test_low_rank_then_ptq_quantises_the_factors():
+    workload, spec, model, batch = _setup("gpt")
+    low_rank = _run(workload, spec, copy.deepcopy(model), "infer", "low-rank")
+    ref = _infer(low_rank, batch)
+    run = _run(workload, spec, copy.deepcopy(model), "infer", "low-rank+ptq-int8")
+    pairs = [m for m in run.model.modules() if isinstance(m, nn.Sequential) and len(m) == 2
+             and all(isinstance(x, Q.Int8Linear) for x in m)]
+    assert pairs  # both factors of each low-rank pair are int8
+    assert parameter_bytes(run.model) < parameter_bytes(_run(workload, spec, copy.deepcopy(model), "infer",
+                                                             "ptq-int8").model)
+    assert _relative_error(_infer(run, batch), ref) < 0.05
+
+
+# --- group-quant ---------------------------------------------------------------------------------------
+
+
+def _torchao_available() -> bool:
+    return Q._torchao()[0] is not None
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("path", ["default", "hand-written"])
+def test_group_quant_stores_integer_weights_with_per_group_scales(bits, path, monkeypatch):
+    if path == "hand-written":
+        monkeypatch.setattr(Q, "_torchao", lambda: (None, "disabled by the test"))
+    elif bits == 8 and not _torchao_available():
+        pytest.skip(f"torchao is not usable here: {Q._torchao()[1]}")
+    workload, spec, model, batch = _setup("gpt")
+    ref = _reference(workload, model, batch)
+    float_layers = _layers(model, nn.Linear)
+    float_bytes = sum(parameter_bytes(m) for m in float_layers)
+    stack = "group-quant" if bits == 8 else "group-quant-int4"
+    run = _run(workload, spec, copy.deepcopy(model), "infer", stack)
+    assert not [m for m in run.model.modules() if type(m) is nn.Linear and not _is_torchao(m)]
+    layers = [m for m in run.model.modules() if isinstance(m, Q.GroupQuantLinear) or _is_torchao(m)]
+    assert len(layers) == len(float_layers)
+    for layer in layers:
+        out_features, in_features = layer.out_features, layer.in_features
+        group = min(Q.GROUP_SIZES[bits], in_features)
+        if isinstance(layer, Q.GroupQuantLinear):
+            assert layer.group_size == group
+            expected = (torch.int8, (out_features, in_features)) if bits == 8 else \
+                (torch.uint8, (out_features, in_features // 2))  # two int4 nibbles per byte
+            assert (layer.weight.dtype, tuple(layer.weight.shape)) == expected
+            scales = layer.scales
+        else:  # torchao's Int8Tensor: int8 data and its scales
+            assert layer.weight.qdata.dtype == torch.int8
+            scales = layer.weight.scale
+        assert tuple(scales.shape) == (out_features, in_features // group)
+    ratio = sum(parameter_bytes(m) for m in layers) / float_bytes
+    low, high = (0.25, 0.30) if bits == 8 else (0.125, 0.17)  # 1/4 or 1/8 of fp32, plus scales
+    assert low <= ratio < high, ratio
+    which = "hand-written" if path == "hand-written" or bits == 4 else "torchao"
+    assert f"{len(layers)} {which}" in run.notes[-1]
+    error = _relative_error(_infer(run, batch), ref)
+    assert error < (0.02 if bits == 8 else 0.15), error
+
+
+def _is_torchao(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and type(module.weight).__module__.startswith("torchao")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_group_quant_rounding_error_is_at_most_half_a_step_per_group(bits):
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 24)
+    with torch.no_grad():
+        linear.weight[3, :32] *= 50  # an outlier group must not coarsen the other groups' steps
+    group = Q.GROUP_SIZES[bits]
+    layer = Q.GroupQuantLinear(linear, bits, group)
+    assert tuple(layer.scales.shape) == (24, 256 // group)
+    error = (layer.dequantize() - linear.weight.detach()).abs().reshape(24, -1, group)
+    assert (error <= layer.scales[..., None] / 2 + 1e-7).all()
+    qmax = 127 if bits == 8 else 7
+    assert layer.int_weight().abs().max() == qmax  # each group's largest weight uses the full range
+    if bits == 4:
+        assert layer.scales[3, 0] > 20 * layer.scales[3, 1]
+
+
+def test_int4_error_exceeds_int8_error():
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64)
+    x = torch.randn(16, 128)
+    errors = [_relative_error(Q.GroupQuantLinear(linear, bits, 32)(x).detach(), linear(x).detach())
+              for bits in (8, 4)]
+    assert errors[0] < 0.01 < errors[1] < 0.15
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchao's int4 tinygemm kernel needs a CUDA GPU")
+def test_group_quant_int4_uses_torchao_tinygemm_on_cuda():
+    if not _torchao_available():
+        pytest.skip(f"torchao is not usable here: {Q._torchao()[1]}")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("tinygemm needs compute capability >= 8.0")
+    gpu = next(p for p in PROFILES.values() if p.vendor == "nvidia")
+    workload = WORKLOADS["gpt"]
+    spec = workload.sizes["smoke"]
+    torch.manual_seed(0)
+    model = workload.build(spec).eval()
+    batch = {k: v.cuda() for k, v in workload.batch(spec, 2, torch.Generator().manual_seed(1)).items()}
+    ref = _reference(workload, copy.deepcopy(model).cuda(), batch)
+    run = Run(workload=workload, size=spec, mode="infer", profile=gpu, model=model, batch_size=2)
+    parse_stack("group-quant-int4").apply(run)
+    run.model = run.model.cuda()
+    assert _layers(run.model, Q.Bf16Input), run.notes[-1]
+    assert _relative_error(Step(run, torch.device("cuda"))(batch), ref) < 0.15
+
+
+# --- checks --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("technique", ["ptq-int8", "group-quant", "group-quant-int4"])
+def test_inference_only_techniques_say_why_they_cannot_train(technique):
+    reason = parse_stack(technique).check(CPU, WORKLOADS["gpt"], "train")
+    assert reason and "inference" in reason and "gradient" in reason
+    assert parse_stack(technique).check(CPU, WORKLOADS["gpt"], "infer") is None
+
+
+@pytest.mark.parametrize("technique", ["group-quant", "group-quant-int4"])
+def test_group_quant_names_convolutions_as_the_reason_for_vision(technique):
+    reason = parse_stack(technique).check(CPU, WORKLOADS["resnet50"], "infer")
+    assert reason and "convolutions" in reason
+
+
+def test_qat_runs_in_both_modes_everywhere():
+    for mode in ("train", "infer"):
+        for profile in (CPU, PROFILES["t4"]):
+            assert parse_stack("qat-int8").check(profile, WORKLOADS["resnet50"], mode) is None
+
+
+def test_quantisation_techniques_are_mutually_exclusive():
+    with pytest.raises(ValueError, match="incompatible stack"):
+        parse_stack("ptq-int8+group-quant")
+
+
+@pytest.mark.parametrize("technique, mode", [("qat-int8", "train"), ("qat-int8", "infer"), ("ptq-int8", "infer"),
+                                             ("group-quant", "infer"), ("group-quant-int4", "infer")])
+def test_techniques_apply_on_fake_tensors_for_projection(technique, mode):
+    # The projection builds, transforms and steps the model under FakeTensorMode: calibration and
+    # quantisation must not branch on tensor values.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    workload = WORKLOADS["gpt"]
+    spec = workload.sizes["smoke"]
+    with FakeTensorMode():
+        run = Run(workload=workload, size=spec, mode=mode, profile=CPU, model=workload.build(spec), batch_size=2)
+        parse_stack(technique).apply(run)
+        out = Step(run, torch.device("cpu"))(workload.batch(spec, 2, torch.Generator().manual_seed(0)))
+    assert out.shape == (() if mode == "train" else (2, spec.seq_len, spec.config["vocab_size"]))
+    if technique != "qat-int8":
+        assert {b.dtype for b in run.model.buffers()} & {torch.int8, torch.uint8}
