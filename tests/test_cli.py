@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
@@ -81,6 +83,29 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, fragment, capsys):
     assert err.count("\n") == 1 and err.startswith("headroom: error:")
     assert fragment in err
     assert "Traceback" not in err
+
+
+def test_a_malformed_user_profile_is_one_line_naming_file_and_field(tmp_path, capsys):
+    (tmp_path / "mygpu.toml").write_text('id = "mygpu"\nfamily = "mine"\nname = "Mine"\nvendor = "nvidia"\n'
+                                         'match = ["Mine"]\nmemory_gib = -4\n[sources]\nmemory_gib = "me"\n'
+                                         '[features]\nbf16 = true\ntf32 = true\nfp8 = false\n'
+                                         'sparse_2to4 = true\nflash_attention = true\n')
+    assert main(["--profiles", str(tmp_path), "profiles"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "mygpu.toml" in err and "memory_gib" in err and "positive" in err
+
+
+def test_a_results_file_from_an_unknown_schema_is_refused(tmp_path, capsys):
+    import pandas as pd
+
+    from harness.records import SCHEMA_VERSION
+
+    frame = pd.read_csv(Path(__file__).parent / "fixtures" / "schema_v1" / "results.csv")
+    frame["schema_version"] = SCHEMA_VERSION + 5
+    frame.to_csv(tmp_path / "future.csv", index=False)
+    assert main(["report", str(tmp_path / "future.csv"), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "schema version" in err and "upgrade headroom" in err
 
 
 def test_listings(capsys):
