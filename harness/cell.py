@@ -126,7 +126,8 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
     throughput = timing.throughput(cell.batch_size)
     flops_per_sample = (workload.train_flops_per_sample(spec) if cell.mode == "train"
                         else workload.forward_flops_per_sample(spec))
-    derived = speed_and_cost(profile, run.precision, flops_per_sample, throughput, spec.seq_len)
+    derived = speed_and_cost(profile, run.precision, flops_per_sample, throughput, spec.seq_len,
+                             convolutional=workload.kind == "vision")
     # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return base_record(

@@ -162,7 +162,8 @@ def cmd_run(args) -> int:
                                                   noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD),
                          profiles_dir=args.profiles)
     console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), scale {scale}; "
-                  f"{len(projected)} projected cells -> {out}")
+                  f"{len(projected)} projected cells" + (f" (scale {args.scale or 'standard'} for other GPUs)"
+                                                         if foreign else "") + f" -> {out}")
     if foreign:
         console.print(f"PROJECTED: {', '.join(g.id for g in foreign)} not on this machine (local device: {local.id}); "
                       f"their figures are projected from traces, not measured")

@@ -13,11 +13,17 @@ PEAK_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8-m
 
 
 def speed_and_cost(profile, precision: str, flops_per_sample: float, throughput: float | None,
-                   seq_len: int | None) -> dict[str, float | None]:
-    """tokens/s, MFU and USD per million samples/tokens for a throughput in samples/s on `profile`."""
+                   seq_len: int | None, convolutional: bool = False) -> dict[str, float | None]:
+    """tokens/s, MFU and USD per million samples/tokens for a throughput in samples/s on `profile`.
+
+    `convolutional`: an fp32 conv net runs its convolutions on TF32 tensor cores where the GPU has
+    them (cuDNN's default in PyTorch), so TF32 is the precision its FLOPs are actually done in."""
     if not throughput:
         return {"tokens_per_s": None, "mfu": None, "usd_per_million_samples": None, "usd_per_million_tokens": None}
-    peak = profile.peak(PEAK_DTYPE.get(precision, ""))
+    dtype = PEAK_DTYPE.get(precision, "")
+    if dtype == "fp32" and convolutional and profile.has("tf32"):
+        dtype = "tf32"
+    peak = profile.peak(dtype)
     usd_per_sample = profile.usd_per_hour / 3600 / throughput if profile.usd_per_hour else None
     return {
         "tokens_per_s": throughput * seq_len if seq_len else None,

@@ -121,8 +121,11 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
         trace_a = traced(workload, with_depth(spec, low), stack, mode, batch_size, profile)
         trace_b = traced(workload, with_depth(spec, high), stack, mode, batch_size, profile)
         trace = _extrapolated_trace(trace_a, trace_b, low, high, depth)
-        reserved_a, reserved_b = _reserved(trace_a), _reserved(trace_b)
-        reserved = {s: round(_extrapolate(reserved_a[s], reserved_b[s], low, high, depth)) for s in reserved_a}
+        # Fragmentation does not extrapolate as an affine difference (a small change in the order of
+        # a shallow trace's frees would be multiplied by the depth): keep the deeper trace's ratio of
+        # reserved to allocated instead.
+        reserved_b = _reserved(trace_b)
+        reserved = {s: round(trace.peak_bytes * reserved_b[s] / trace_b.peak_bytes) for s in reserved_b}
     if profile.vendor == "cpu":
         reserved = {"native": None}  # no caching allocator on the host: nothing to model
     memory = MemoryProjection(
@@ -237,7 +240,8 @@ def projected_fields(projection: Projection, workload: Workload, spec: SizeSpec,
         activations_bytes=memory.activations, temporaries_bytes=memory.temporaries,
         step_time_ms_p50=time.step_s * 1e3 if time else None, throughput_samples_s=throughput,
         flops_per_step=flops_per_sample * batch_size,
-        **speed_and_cost(profile, precision, flops_per_sample, throughput, spec.seq_len),
+        **speed_and_cost(profile, precision, flops_per_sample, throughput, spec.seq_len,
+                         convolutional=workload.kind == "vision"),
         device_name=profile.name, notes="; ".join(memory.notes))
 
 

@@ -143,6 +143,13 @@ class _OpCostMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func._overloadpacket not in flop_registry and func.namespace != "prim":
+            # Under inference_mode composite ops (linear, matmul) arrive whole; decompose them, as
+            # FlopCounterMode does, so their matmuls are seen and counted.
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
         out = func(*args, **kwargs)
         if func.is_view or func in _NO_KERNEL:
             return out  # views and metadata ops alias their input: no kernel, no bytes moved
