@@ -47,7 +47,10 @@ def build_context(frame: pd.DataFrame) -> dict:
     for name, group in frame.groupby("workload", sort=False):
         group = group.sort_values(["size", "mode", "technique", "gpu", "source"], kind="stable")
         rows = [{"cells": [formatter(row[col]) for col, _, formatter in TABLE_COLUMNS],
-                 "status": str(row["status"]), "reason": fmt.text(row["reason"])}
+                 "status": str(row["status"]),
+                 # Why a cell did not run, or else what its techniques did (ranks, sparsity, paths taken).
+                 "reason": fmt.text(row["reason"]) if not fmt.missing(row["reason"]) and row["reason"]
+                 else fmt.text(row["notes"])}
                 for _, row in group.iterrows()]
         workloads.append({"name": str(name), "headers": [h for _, h, _ in TABLE_COLUMNS], "rows": rows})
     environments = (frame[ENV_COLUMNS + ["run_id"]].drop_duplicates().astype(object)
