@@ -12,6 +12,7 @@ from harness.measure.tensors import parameter_bytes
 from harness.profiles import load_profiles
 from suites.step import Step
 from suites.techniques import Run, parse_stack
+from suites.techniques import groupquant as G
 from suites.techniques import quantization as Q
 from suites.workloads import WORKLOADS
 
@@ -170,16 +171,16 @@ def test_low_rank_then_ptq_quantises_the_factors():
 
 
 def _torchao_available() -> bool:
-    return Q._torchao()[0] is not None
+    return G._torchao()[0] is not None
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("path", ["default", "hand-written"])
 def test_group_quant_stores_integer_weights_with_per_group_scales(bits, path, monkeypatch):
     if path == "hand-written":
-        monkeypatch.setattr(Q, "_torchao", lambda: (None, "disabled by the test"))
+        monkeypatch.setattr(G, "_torchao", lambda: (None, "disabled by the test"))
     elif bits == 8 and not _torchao_available():
-        pytest.skip(f"torchao is not usable here: {Q._torchao()[1]}")
+        pytest.skip(f"torchao is not usable here: {G._torchao()[1]}")
     workload, spec, model, batch = _setup("gpt")
     ref = _reference(workload, model, batch)
     float_layers = _layers(model, nn.Linear)
@@ -187,12 +188,12 @@ def test_group_quant_stores_integer_weights_with_per_group_scales(bits, path, mo
     stack = "group-quant" if bits == 8 else "group-quant-int4"
     run = _run(workload, spec, copy.deepcopy(model), "infer", stack)
     assert not [m for m in run.model.modules() if type(m) is nn.Linear and not _is_torchao(m)]
-    layers = [m for m in run.model.modules() if isinstance(m, Q.GroupQuantLinear) or _is_torchao(m)]
+    layers = [m for m in run.model.modules() if isinstance(m, G.GroupQuantLinear) or _is_torchao(m)]
     assert len(layers) == len(float_layers)
     for layer in layers:
         out_features, in_features = layer.out_features, layer.in_features
-        group = min(Q.GROUP_SIZES[bits], in_features)
-        if isinstance(layer, Q.GroupQuantLinear):
+        group = min(G.GROUP_SIZES[bits], in_features)
+        if isinstance(layer, G.GroupQuantLinear):
             assert layer.group_size == group
             expected = (torch.int8, (out_features, in_features)) if bits == 8 else \
                 (torch.uint8, (out_features, in_features // 2))  # two int4 nibbles per byte
@@ -221,8 +222,8 @@ def test_group_quant_rounding_error_is_at_most_half_a_step_per_group(bits):
     linear = nn.Linear(256, 24)
     with torch.no_grad():
         linear.weight[3, :32] *= 50  # an outlier group must not coarsen the other groups' steps
-    group = Q.GROUP_SIZES[bits]
-    layer = Q.GroupQuantLinear(linear, bits, group)
+    group = G.GROUP_SIZES[bits]
+    layer = G.GroupQuantLinear(linear, bits, group)
     assert tuple(layer.scales.shape) == (24, 256 // group)
     error = (layer.dequantize() - linear.weight.detach()).abs().reshape(24, -1, group)
     assert (error <= layer.scales[..., None] / 2 + 1e-7).all()
@@ -236,7 +237,7 @@ def test_int4_error_exceeds_int8_error():
     torch.manual_seed(0)
     linear = nn.Linear(128, 64)
     x = torch.randn(16, 128)
-    errors = [_relative_error(Q.GroupQuantLinear(linear, bits, 32)(x).detach(), linear(x).detach())
+    errors = [_relative_error(G.GroupQuantLinear(linear, bits, 32)(x).detach(), linear(x).detach())
               for bits in (8, 4)]
     assert errors[0] < 0.01 < errors[1] < 0.15
 
@@ -244,7 +245,7 @@ def test_int4_error_exceeds_int8_error():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torchao's int4 tinygemm kernel needs a CUDA GPU")
 def test_group_quant_int4_uses_torchao_tinygemm_on_cuda():
     if not _torchao_available():
-        pytest.skip(f"torchao is not usable here: {Q._torchao()[1]}")
+        pytest.skip(f"torchao is not usable here: {G._torchao()[1]}")
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("tinygemm needs compute capability >= 8.0")
     gpu = next(p for p in PROFILES.values() if p.vendor == "nvidia")
@@ -257,7 +258,7 @@ def test_group_quant_int4_uses_torchao_tinygemm_on_cuda():
     run = Run(workload=workload, size=spec, mode="infer", profile=gpu, model=model, batch_size=2)
     parse_stack("group-quant-int4").apply(run)
     run.model = run.model.cuda()
-    assert _layers(run.model, Q.Bf16Input), run.notes[-1]
+    assert _layers(run.model, G.Bf16Input), run.notes[-1]
     assert _relative_error(Step(run, torch.device("cuda"))(batch), ref) < 0.15
 
 

@@ -13,10 +13,11 @@ from suites.recipes import RECIPES
 from suites.techniques import (
     accumulation,  # T6
     checkpointing,  # T5
+    groupquant,  # T9
     lowrank,  # T3
     precision,  # T1
     pruning,  # T4
-    quantization,  # T7-T9
+    quantization,  # T7-T8
     sharing,  # T2
     sparsity,  # T10-T12
 )
@@ -31,6 +32,7 @@ FAMILIES = [
     lowrank,
     pruning,
     quantization,
+    groupquant,
     sparsity,
 ]
 

@@ -5,20 +5,16 @@ backward) so the weights learn to survive int8 rounding (Jacob et al. 2018, arXi
 `ptq-int8` quantises a trained model after the fact: min/max observers on calibration batches give
 every layer its own activation range (per-layer dynamic range calibration), weights get one scale per
 output channel, and the weights are stored as int8 (same paper, section 2; PyTorch's eager-mode
-quantization docs). `group-quant` / `group-quant-int4` store weights only as int8 / int4 with one
-scale per group of G input weights (Frantar et al. 2022, GPTQ, arXiv:2210.17323; torchao's
-weight-only configs), dequantising on the fly.
+quantization docs). Weight-only group quantisation (T9) lives in groupquant.py.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.ao import quantization as tq
 from torch.ao.nn import qat
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -32,16 +28,9 @@ CALIBRATION_BATCHES = 4
 CALIBRATION_SAMPLES = 4
 CALIBRATION_SEED = 1234
 
-# Weight-only group quantisation: bits -> default group size (inputs sharing one scale). int4 uses 32,
-# llama.cpp's Q4_0 block and the finest of torchao's int4 group sizes (32-256); int8 rounds 16x finer,
-# so it takes 128, the group size GPTQ and AWQ checkpoints usually ship with. Smaller groups follow
-# outliers more closely at the cost of more scales (fp32 here: 1 bit per weight at 32, 0.25 at 128).
-GROUP_SIZES = {8: 128, 4: 32}
-
 # Integer ranges. Activations are affine (scale + zero point) signed int8, as _int_mm takes int8 x int8;
 # weights are symmetric (zero point 0), so the weight never needs a zero-point correction.
 INT8_MIN, INT8_MAX = -128, 127
-INT4_MAX = 7  # symmetric int4 uses -7..7 so both signs get the same step (code -8 stays unused)
 
 Quantisable = nn.Linear | nn.Conv2d
 
@@ -313,176 +302,6 @@ def _apply_ptq(run: Run) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# group-quant: weight-only int8 / int4 with per-group scales.
-
-
-def _group_size(in_features: int, bits: int) -> int | None:
-    """The default group size, or the whole row when a layer is narrower; None if groups cannot tile it."""
-    group = min(GROUP_SIZES[bits], in_features)
-    if in_features % group or (bits == 4 and group % 2):
-        return None
-    return group
-
-
-class GroupQuantLinear(nn.Module):
-    """A Linear whose weight is stored as int8, or int4 packed two to a byte, with one fp32 scale per
-    group of `group_size` consecutive inputs of each output row (symmetric, zero point 0).
-
-    Written by hand because torchao's CPU int4 layouts keep one value per byte (IntxWeightOnlyConfig
-    unpacks to int8) and its packed int4 kernels are CUDA-only; the forward dequantises the weight and
-    runs a float matmul.
-    """
-
-    def __init__(self, module: nn.Linear, bits: int, group_size: int):
-        super().__init__()
-        self.in_features, self.out_features = module.in_features, module.out_features
-        self.bits, self.group_size = bits, group_size
-        weight = module.weight.detach().float()
-        groups = weight.reshape(self.out_features, self.in_features // group_size, group_size)
-        qmax = INT8_MAX if bits == 8 else INT4_MAX
-        scale = (groups.abs().amax(dim=-1) / qmax).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.clamp(torch.round(groups / scale[..., None]), -qmax, qmax).to(torch.int8)
-        q = q.reshape(self.out_features, self.in_features)
-        if bits == 4:
-            nibbles = (q + 8).to(torch.uint8)  # offset binary: -7..7 -> 1..15
-            q = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # [out, in / 2] bytes
-        self.register_buffer("weight", q)
-        self.register_buffer("scales", scale)  # [out, in / group_size]
-        self.register_buffer("bias", module.bias.detach().clone() if module.bias is not None else None)
-
-    def int_weight(self) -> torch.Tensor:
-        """The integer weight [out, in] as int8 (int4 values unpacked)."""
-        if self.bits == 8:
-            return self.weight
-        low = (self.weight & 0x0F).to(torch.int8) - 8
-        high = (self.weight >> 4).to(torch.int8) - 8
-        return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)
-
-    def dequantize(self) -> torch.Tensor:
-        groups = self.int_weight().reshape(self.out_features, -1, self.group_size).to(self.scales.dtype)
-        return (groups * self.scales[..., None]).reshape(self.out_features, self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
-                f"group_size={self.group_size}")
-
-
-class Bf16Input(nn.Module):
-    """Casts the input to bf16 for a layer whose kernel takes bf16 only (torchao's int4 tinygemm)."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x.to(torch.bfloat16)).to(x.dtype)
-
-
-@functools.cache
-def _torchao():
-    """torchao's quantize_ API, or None with the reason it is unavailable."""
-    try:
-        import torchao
-        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
-        from torchao.quantization.granularity import PerGroup
-    except Exception as exc:  # not installed, or built for another torch: the fallback takes over
-        return None, f"torchao unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
-    return (torchao.__version__, quantize_, Int8WeightOnlyConfig, Int4WeightOnlyConfig, PerGroup), ""
-
-
-def _traced(run: Run) -> bool:
-    """Whether the model is made of fake tensors (the projection traces the step under FakeTensorMode)."""
-    return any(is_fake(p) for p in run.model.parameters())
-
-
-def _target_device(run: Run) -> torch.device:
-    """The device the cell will run on (as harness/cell.py picks it), if this process can reach it."""
-    if run.profile.vendor != "cpu" and torch.cuda.is_available() and not _traced(run):
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def _torchao_layer(module: nn.Linear, bits: int, group: int, device: torch.device) -> nn.Module | None:
-    """The layer quantised by torchao on `device`, or None where torchao cannot do it there.
-
-    int8: Int8WeightOnlyConfig with PerGroup granularity (runs on CPU and CUDA). int4: the tinygemm
-    layout (Int4WeightOnlyConfig, tile_packed_to_4d), whose packing and kernel exist only on CUDA with
-    compute capability >= 8.0 and only for bf16, so the layer gets a bf16 island. A two-row forward on
-    the device proves the kernel runs before the layer is used.
-    """
-    api, _ = _torchao()
-    if api is None:
-        return None
-    _, quantize_, Int8Config, Int4Config, PerGroup = api
-    dtype = torch.float32
-    if bits == 4:
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
-            return None
-        dtype = torch.bfloat16
-    try:  # older torchao spells these configs differently: any failure here means the fallback
-        config = (Int4Config(group_size=group, int4_packing_format="tile_packed_to_4d") if bits == 4
-                  else Int8Config(granularity=PerGroup(group)))
-        layer = nn.utils.skip_init(nn.Linear, module.in_features, module.out_features,
-                                   bias=module.bias is not None, device=device, dtype=dtype)
-        with torch.no_grad():
-            layer.weight.copy_(module.weight)
-            if module.bias is not None:
-                layer.bias.copy_(module.bias)
-        quantize_(layer, config)
-        wrapped = Bf16Input(layer) if bits == 4 else layer
-        with torch.inference_mode():
-            wrapped(torch.zeros(2, module.in_features, device=device))
-    except Exception:  # a shape or device the kernel does not take: the hand-written layer takes over
-        return None
-    return wrapped
-
-
-def _group_quant(bits: int) -> Callable[[Run], None]:
-    def apply(run: Run) -> None:
-        device = _target_device(run)
-        # A traced (fake-tensor) run takes the hand-written layout, whose bytes match torchao's to a few per
-        # group: torchao's quantized weights are frozen Parameters, which MemTracker cannot hook.
-        traced = _traced(run)
-        paths = {"torchao": 0, "hand-written": 0}
-        groups_used: dict[int, int] = {}
-        before = after = skipped = 0
-
-        def convert(module: nn.Module) -> nn.Module | None:
-            nonlocal before, after, skipped
-            group = _group_size(module.in_features, bits)
-            if group is None:
-                skipped += 1
-                return None
-            new = None if traced else _torchao_layer(module, bits, group, device)
-            paths["torchao" if new is not None else "hand-written"] += 1
-            if new is None:
-                new = GroupQuantLinear(module, bits, group)
-            groups_used[group] = groups_used.get(group, 0) + 1
-            before += _bytes(module.parameters())
-            after += _bytes([*new.parameters(), *new.buffers()])
-            return new
-
-        count = _replace(run.model, (nn.Linear,), convert)
-        if not count:
-            raise Unsupported(f"no nn.Linear of {run.workload.name} has in_features divisible into int{bits} groups")
-        api, why = _torchao()
-        version = f"torchao {api[0]}" if api else why
-        path = ", ".join(f"{n} {name}" for name, n in paths.items() if n)
-        where = {8: "Int8WeightOnlyConfig(PerGroup)", 4: "Int4WeightOnlyConfig tinygemm (CUDA, bf16)"}[bits]
-        sizes = ", ".join(f"{g} ({n} layers)" for g, n in sorted(groups_used.items(), reverse=True))
-        kept = f"; {skipped} layers kept fp32 (in_features not divisible into groups)" if skipped else ""
-        run.notes.append(
-            f"group-quant int{bits} weight-only, group size {sizes} (default {GROUP_SIZES[bits]}; a narrower "
-            f"row is one group); {count} Linear layers: {path} [torchao path: {where}; {version}; hand-written: "
-            f"packed int{bits} + fp32 scales, dequantised per forward]; {before:,} -> {after:,} bytes{kept}")
-
-    return apply
-
-
-# ---------------------------------------------------------------------------------------------------
 # Checks and the registry entries.
 
 
@@ -490,23 +309,6 @@ def _inference_only(name: str, why: str):
     def check(profile, workload, mode):
         if mode != "infer":
             return f"{name} is an inference technique: {why}"
-        return None
-
-    return check
-
-
-def _check_group(name: str):
-    inference = _inference_only(
-        name, "integer weights get no gradients, and weight-only quantisation stores a trained model "
-              "(train the fp32 model, or use qat-int8)")
-
-    def check(profile, workload, mode):
-        reason = inference(profile, workload, mode)
-        if reason:
-            return reason
-        if workload.kind == "vision":
-            return (f"{name} quantises nn.Linear weights (as torchao's weight-only configs do); "
-                    f"{workload.name}'s weights are nearly all in convolutions, so only its classifier would change")
         return None
 
     return check
@@ -526,15 +328,4 @@ PTQ_INT8 = Technique(
                                       "to train with quantisation)"),
     apply=_apply_ptq, exclusive="quantization")
 
-GROUP_QUANT = Technique(
-    id="group-quant", phase=Phase.COMPRESS, order=1, changes_numerics=True, guide="T9",
-    summary=f"weight-only int8 with one scale per {GROUP_SIZES[8]} inputs (torchao, else hand-written)",
-    check=_check_group("group-quant"), apply=_group_quant(8), exclusive="quantization")
-
-GROUP_QUANT_INT4 = Technique(
-    id="group-quant-int4", phase=Phase.COMPRESS, order=1, changes_numerics=True, guide="T9",
-    summary=f"weight-only int4 with one scale per {GROUP_SIZES[4]} inputs (torchao tinygemm on CUDA, "
-            "else packed nibbles)",
-    check=_check_group("group-quant-int4"), apply=_group_quant(4), exclusive="quantization")
-
-TECHNIQUES = (QAT_INT8, PTQ_INT8, GROUP_QUANT, GROUP_QUANT_INT4)
+TECHNIQUES = (QAT_INT8, PTQ_INT8)
