@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("workloads", help="list workloads and sizes")
     sub.add_parser("env", help="device, driver, torch, CUDA and NVML availability")
     sub.add_parser("families", help="list GPU profile families (used by the noxfile)")
+    # `--profiles DIR` works before or after the command (`headroom run --profiles DIR`).
+    for command in sub.choices.values():
+        command.add_argument("--profiles", metavar="DIR", default=argparse.SUPPRESS,
+                             help="extra folder of GPU profile TOMLs (also HEADROOM_PROFILES)")
     return parser
 
 

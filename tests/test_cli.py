@@ -90,9 +90,10 @@ def test_a_malformed_user_profile_is_one_line_naming_file_and_field(tmp_path, ca
                                          'match = ["Mine"]\nmemory_gib = -4\n[sources]\nmemory_gib = "me"\n'
                                          '[features]\nbf16 = true\ntf32 = true\nfp8 = false\n'
                                          'sparse_2to4 = true\nflash_attention = true\n')
-    assert main(["--profiles", str(tmp_path), "profiles"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "mygpu.toml" in err and "memory_gib" in err and "positive" in err
+    for argv in (["--profiles", str(tmp_path), "profiles"], ["profiles", "--profiles", str(tmp_path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "mygpu.toml" in err and "memory_gib" in err and "positive" in err
 
 
 def test_a_results_file_from_an_unknown_schema_is_refused(tmp_path, capsys):
