@@ -84,7 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("techniques", help="list techniques")
     sub.add_parser("workloads", help="list workloads and sizes")
     sub.add_parser("env", help="device, driver, torch, CUDA and NVML availability")
-    sub.add_parser("families", help="list GPU profile families (used by the noxfile)")
     # `--profiles DIR` works before or after the command (`headroom run --profiles DIR`).
     for command in sub.choices.values():
         command.add_argument("--profiles", metavar="DIR", default=argparse.SUPPRESS,
@@ -206,7 +205,7 @@ def cmd_project(args) -> int:
 
     from harness.plan import MODES, Cell
     from harness.profiles import unknown_name
-    from harness.project import largest_model, max_batch, project_cell
+    from harness.project import largest_model, max_batch, project_cell, smallest_batch
     from suites.techniques import parse_stack
     from suites.workloads import get_workload
 
@@ -233,7 +232,7 @@ def cmd_project(args) -> int:
         if args.seq_len < 1 or (limit and args.seq_len > limit):
             raise UsageError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {args.seq_len}")
         spec = dataclasses.replace(spec, seq_len=args.seq_len)
-    step = 4 if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
+    step = smallest_batch(stack)
     if args.max_batch:
         batch_size = max_batch(workload, spec, stack, args.mode, profile, step=step)
         if batch_size == 0:
@@ -275,13 +274,6 @@ def cmd_profiles(args) -> int:
     return 0
 
 
-def cmd_families(args) -> int:
-    from harness.profiles import families
-
-    print("\n".join(families(_profiles(args))))
-    return 0
-
-
 def cmd_techniques(args) -> int:
     from suites.techniques import RECIPES, TECHNIQUES
 
@@ -318,7 +310,7 @@ def cmd_env(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "project": cmd_project, "report": cmd_report, "profiles": cmd_profiles,
-            "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env, "families": cmd_families}
+            "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -106,7 +106,10 @@ def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsS
         else:
             record = run_isolated(cell, options)
         store.add(record)
-        store.write_frame()
+        if cell.source == "measured":
+            # Keep the frame current through slow measured cells; projected cells take milliseconds
+            # and rebuilding the frame from every cell file after each would dominate their cost.
+            store.write_frame()
         records.append(record)
         if on_done:
             on_done(index, len(cells), cell, record)

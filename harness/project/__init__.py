@@ -20,6 +20,7 @@ from harness.project.roofline import TimeEstimate, estimate
 from harness.project.trace import OpCost, StepTrace, trace_step, with_depth
 from harness.records import Record
 from suites.techniques import Run, Stack, Unsupported
+from suites.techniques.accumulation import DEFAULT_MICRO_BATCHES
 from suites.workloads import get_workload
 from suites.workloads.base import SizeSpec, Workload
 
@@ -199,19 +200,22 @@ def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profi
     return low
 
 
+def smallest_batch(stack: Stack) -> int:
+    """The smallest batch the stack can take: accumulation splits it into equal micro-batches."""
+    return DEFAULT_MICRO_BATCHES if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
+
+
 def largest_model(profile, stack: Stack, mode: str = "train", workload_name: str = "gpt") -> str | None:
-    """The largest size of `workload_name` that fits `profile` at batch 1 under `stack`, or None."""
+    """The largest size of `workload_name` that fits `profile` at its smallest batch under `stack`, or None."""
     workload = get_workload(workload_name)
+    if stack.check(profile, workload, mode):
+        return None
+    batch = smallest_batch(stack)
     best = None
-    sizes = sorted(workload.sizes.values(), key=lambda s: _param_estimate(workload, s))
-    for spec in sizes:
-        batch = 4 if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
-        if stack.check(profile, workload, mode):
-            return None
-        if fits_at(workload, dataclasses.replace(spec, batch_size=batch), stack, mode, batch, profile):
-            best = spec.name
-        else:
+    for spec in sorted(workload.sizes.values(), key=lambda s: _param_estimate(workload, s)):
+        if not fits_at(workload, dataclasses.replace(spec, batch_size=batch), stack, mode, batch, profile):
             break
+        best = spec.name
     return best
 
 

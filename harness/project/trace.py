@@ -11,6 +11,7 @@ FLOPs (`torch.utils.flop_counter`'s formulas) and bytes touched, for the rooflin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import defaultdict
@@ -210,7 +211,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             notes.append("fp16 loss scaling not traced (a few scalars of state)")
         step = Step(run, torch.device("cpu"))
         batch = batch_factory()
-        context = sdpa_kernel(backend) if backend else _null()
+        context = sdpa_kernel(backend) if backend else contextlib.nullcontext()
         with context:
             step(batch)  # untracked: creates the optimizer state, as a warm-up does
             tracker = _RecordingMemTracker(rounding)
@@ -241,14 +242,6 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         grads_bytes=end.get("grads", 0) if run.mode == "train" else 0,
         optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
         costs=dict(costs.costs), baseline_bytes=baseline, precision=run.precision, notes=notes + run.notes)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def with_depth(spec, layers: int):
