@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # A measured cell whose repeats' mean step times vary by more than this (coefficient of variation)
 # is flagged `noisy`: its timings are not to be trusted to a few percent.
 DEFAULT_NOISE_THRESHOLD = 0.05
@@ -74,6 +74,7 @@ class Record:
     # projection checked against its measured twin (same cell on the local device): projected / measured - 1
     peak_error_vs_measured: float | None = None
     step_time_error_vs_measured: float | None = None
+    reserved_error_vs_measured: float | None = None  # the allocator model's error: GPU twins only
     # accuracy
     accuracy_metric: str | None = None
     accuracy: float | None = None
@@ -161,8 +162,15 @@ def _v2_to_v3(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def _v3_to_v4(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 4 added the reserved-memory error against the measured twin: unknown before it."""
+    frame["reserved_error_vs_measured"] = None
+    frame["schema_version"] = 4
+    return frame
+
+
 # version -> function taking a frame of that version to the next one.
-MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3}
+MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
 
 
 def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:

@@ -128,7 +128,10 @@ def attach_twin_errors(store: ResultsStore) -> None:
             continue
         updated = dict(row, peak_error_vs_measured=_relative_error(row["peak_allocated_bytes"],
                                                                    twin["peak_allocated_bytes"]),
-                       step_time_error_vs_measured=_relative_error(row["step_time_ms_p50"], twin["step_time_ms_p50"]))
+                       step_time_error_vs_measured=_relative_error(row["step_time_ms_p50"], twin["step_time_ms_p50"]),
+                       # Only a CUDA twin has a caching allocator to compare the allocator model with.
+                       reserved_error_vs_measured=_relative_error(row["peak_reserved_bytes"],
+                                                                  twin["peak_reserved_bytes"]))
         if updated != row:
             store.add(Record(**updated))
 

@@ -33,6 +33,7 @@ TABLE_COLUMNS = [
     ("fits", "fits", lambda v: fmt.EMPTY if fmt.missing(v) else ("yes" if v else "NO")),
     ("peak_error_vs_measured", "peak err vs measured", fmt.percent),
     ("step_time_error_vs_measured", "step err vs measured", fmt.percent),
+    ("reserved_error_vs_measured", "reserved err vs measured", fmt.percent),
 ]
 ENV_COLUMNS = ["device_name", "torch_version", "cuda_version", "driver_version", "git_sha", "hostname"]
 

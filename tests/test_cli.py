@@ -43,6 +43,8 @@ def test_projected_twins_carry_their_error_against_the_measurement(small_run):
     twins = frame[(frame["source"] == "projected") & (frame["status"] == "ok")]
     assert len(twins) == 3
     assert (twins["peak_error_vs_measured"].abs() < 0.03).all()
+    # The host CPU has no caching allocator, so there is no reserved figure to check the model against.
+    assert twins["reserved_error_vs_measured"].isna().all()
 
 
 def test_checkpointing_holds_fewer_activation_bytes(small_run):

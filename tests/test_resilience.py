@@ -56,6 +56,8 @@ def test_first_schema_results_migrate_and_stay_readable():
         # v2's `noisy` is derived from the coefficient of variation v1 recorded.
         assert (ok["noisy"] == (ok["step_time_cv"] > 0.05)).all()
         assert frame.loc[frame["status"] == "unsupported", "noisy"].isna().all()
+        # Columns added after v1 are unknown, not zero.
+        assert frame["reserved_error_vs_measured"].isna().all() and frame["fits"].isna().all()
 
 
 def test_a_results_file_from_a_future_schema_is_refused(tmp_path):

@@ -70,3 +70,25 @@ def test_unsupported_cells_are_rows_without_a_process(tmp_path):
     # Started, this cell's process would exit with code 3 (an `error` row): unsupported cells start none.
     [record] = run_plan([cell], PROFILES, store, RunOptions(run_id="t", cell_entry="tests.faulty_cell"))
     assert record.status == "unsupported" and "training" in record.reason
+
+
+def test_twin_errors_compare_peak_step_time_and_reserved(tmp_path):
+    from harness.records import Record
+    from harness.run import attach_twin_errors
+
+    store = ResultsStore(tmp_path)
+    identity = dict(run_id="r", workload="gpt", size="gpt2-124m", mode="train", technique="baseline",
+                    gpu="h200", batch_size=8, status="ok")
+    store.add(Record(**identity, source="measured", cell_id="m", peak_allocated_bytes=1000,
+                     peak_reserved_bytes=1200, step_time_ms_p50=10.0))
+    store.add(Record(**identity, source="projected", cell_id="p", peak_allocated_bytes=1100,
+                     peak_reserved_bytes=1260, step_time_ms_p50=8.0))
+    store.add(Record(**dict(identity, gpu="a100-sxm4-80gb"), source="projected", cell_id="q",
+                     peak_allocated_bytes=1, peak_reserved_bytes=1, step_time_ms_p50=1.0))
+    attach_twin_errors(store)
+    rows = {row["cell_id"]: row for row in store.rows()}
+    assert rows["p"]["peak_error_vs_measured"] == pytest.approx(0.10)
+    assert rows["p"]["reserved_error_vs_measured"] == pytest.approx(0.05)
+    assert rows["p"]["step_time_error_vs_measured"] == pytest.approx(-0.20)
+    # A projection for another GPU has no twin here: its errors stay unknown.
+    assert rows["q"]["peak_error_vs_measured"] is None and rows["q"]["reserved_error_vs_measured"] is None

@@ -5,8 +5,9 @@ fake `cuda` tensors aborts without a GPU), so no real memory is used and any siz
 seconds. One untracked step creates the optimizer state; the second step is tracked by PyTorch's
 `MemTracker` (categories: parameters, gradients, optimizer state, activations, temporaries), which
 we extend to log every storage allocation and free in order, rounded as the target's allocator
-rounds (CUDA: 512 bytes), for the allocator model and the peak. A dispatch mode counts each op's
-FLOPs (`torch.utils.flop_counter`'s formulas) and bytes touched, for the roofline.
+rounds (CUDA: 512 bytes), for the allocator model and the peak; autocast casts by the target's op
+lists (autocast_policy.py). A dispatch mode counts each op's FLOPs (`torch.utils.flop_counter`'s
+formulas) and bytes touched, for the roofline.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from harness.project.autocast_policy import cuda_autocast_policy
 from suites.step import Step
 from suites.techniques import Run, Stack
 
@@ -211,8 +213,12 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             notes.append("fp16 loss scaling not traced (a few scalars of state)")
         step = Step(run, torch.device("cpu"))
         batch = batch_factory()
-        context = sdpa_kernel(backend) if backend else contextlib.nullcontext()
-        with context:
+        with contextlib.ExitStack() as contexts:
+            if backend:
+                contexts.enter_context(sdpa_kernel(backend))
+            if profile.vendor in ("nvidia", "amd") and run.autocast_dtype is not None:
+                # The target's autocast lists, not the host CPU's (ROCm uses CUDA's).
+                contexts.enter_context(cuda_autocast_policy())
             step(batch)  # untracked: creates the optimizer state, as a warm-up does
             tracker = _RecordingMemTracker(rounding)
             tracker.track_external(run.model, batch, *([step.optimizer] if step.optimizer else []))

@@ -1,0 +1,148 @@
+"""CUDA's autocast op lists, applied to a trace that runs on the CPU device.
+
+`torch.autocast` casts per op from a per-device list: on CUDA, softmax, layer_norm, sum, exp and
+the losses run in fp32 even when their input is bf16/fp16, while the CPU runs most of them in the
+input's dtype (and has its own fp32 list: cross_entropy_loss, linalg, fft...). The projection traces
+on fake CPU tensors, so inside `cuda_autocast_policy()` the CPU's autocast kernels are re-registered
+(`torch.library`, dispatch key AutocastCPU) with CUDA's policy; leaving the context restores them.
+
+Why by hand: PyTorch keeps the CUDA lists in C++ (`aten/src/ATen/autocast_mode.h`,
+AT_FORALL_FP32 / AT_FORALL_FP32_SET_OPT_DTYPE / AT_FORALL_PROMOTE / AT_FORALL_LOWER_PRECISION_FP)
+and its CUDA kernels only cast CUDA tensors, so no API applies them to CPU tensors. The lists below
+are copied from that header (PyTorch 2.6-2.14 agree on them); ROCm uses the same CUDA lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves, tree_map
+
+# CUDA fp32 policy: floating inputs are cast to fp32, whatever autocast's dtype.
+CUDA_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+    "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
+    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp", "upsample_nearest1d",
+    "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_nearest3d",
+    "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+    "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+)
+# CUDA fp32_set_opt_dtype policy: the op's optional `dtype` is set to fp32 (its input is not copied
+# first) unless the caller set it.
+CUDA_FP32_SET_OPT_DTYPE = (
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+)
+# CUDA promote policy: inputs are cast to the widest floating dtype among them.
+CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
+                "tensordot", "scatter_add")
+# CUDA lower-precision ops the CPU list lacks and that do not decompose into ones it has (einsum,
+# chain_matmul and linalg_multi_dot reach bmm/mm, which the CPU casts). Their casts are not cached as
+# CUDA caches weight casts; none of the suite's workloads calls them.
+CUDA_LOWER_PRECISION_EXTRA = ("addmv", "addr", "mv", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
+# On the CPU's autocast lists but not on CUDA's: on CUDA they run in their inputs' dtype (composite
+# ones, such as cross_entropy_loss, decompose into ops that are on CUDA's lists).
+CPU_ONLY = (
+    "avg_pool3d", "polar", "quantile", "quantile.scalar", "nanquantile", "nanquantile.scalar", "stft",
+    "stft.center", "grid_sampler_2d", "grid_sampler_3d", "trace", "view_as_complex", "max_pool3d", "max_unpool2d",
+    "max_unpool3d", "adaptive_avg_pool3d", "reflection_pad1d", "reflection_pad2d", "replication_pad1d",
+    "replication_pad2d", "replication_pad3d", "cross_entropy_loss", "ctc_loss.IntList", "ctc_loss.Tensor",
+    "fractional_max_pool2d", "fractional_max_pool3d", "adaptive_max_pool3d", "stack", "cat", "index_copy",
+)
+
+_AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
+
+
+def _eligible(value) -> bool:
+    # As autocast's is_eligible: a defined floating tensor that is not float64.
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+
+
+def _redispatch(op, args, kwargs):
+    # What the C++ wrappers do: run the op below the autocast key, so it is not cast again.
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_AUTOCAST_CPU)):
+        return op(*args, **kwargs)
+
+
+def _cast_kernel(op, target):
+    def kernel(*args, **kwargs):
+        dtype = target() if callable(target) else target
+        args, kwargs = tree_map(lambda v: v.to(dtype) if _eligible(v) and v.dtype != dtype else v, (args, kwargs))
+        return _redispatch(op, args, kwargs)
+    return kernel
+
+
+def _promote_kernel(op):
+    def kernel(*args, **kwargs):
+        dtypes = [v.dtype for v in tree_leaves((args, kwargs)) if _eligible(v)]
+        if not dtypes:
+            return _redispatch(op, args, kwargs)
+        return _cast_kernel(op, functools.reduce(torch.promote_types, dtypes))(*args, **kwargs)
+    return kernel
+
+
+# CUDA's softmax and log_softmax read fp16 input and write fp32 in one kernel (`half_to_float`),
+# without the fp32 copy of the input that the generic `dtype=` path makes (aten SoftMax.cpp).
+_HALF_TO_FLOAT = {"softmax": torch.ops.aten._softmax.default, "log_softmax": torch.ops.aten._log_softmax.default}
+
+
+def _set_opt_dtype_kernel(op):
+    names = [a.name for a in op._schema.arguments]
+    position = names.index("dtype")
+    half_to_float = _HALF_TO_FLOAT.get(op._schema.name.removeprefix("aten::"))
+
+    def kernel(*args, **kwargs):
+        explicit = kwargs.get("dtype") if len(args) <= position else args[position]
+        if explicit is not None or not (args and _eligible(args[0])):
+            return _redispatch(op, args, kwargs)
+        if half_to_float is not None and args[0].dtype == torch.float16 and isinstance(args[0], FakeTensor):
+            # (Fake tensors only: the CPU kernels refuse half_to_float, which real CPU tensors would reach.)
+            return _redispatch(half_to_float, (args[0], args[1], True), {})
+        return _redispatch(op, args[:position], {**kwargs, "dtype": torch.float32})
+    return kernel
+
+
+def _op(name: str):
+    """The aten overload `name` ("pow.Scalar"; no dot: the default overload), None if this torch lacks it."""
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+
+
+def _kernels():
+    """(op name, AutocastCPU kernel) for every op whose CUDA policy differs from the CPU's."""
+    makers = (
+        (CUDA_FP32, lambda op: _cast_kernel(op, torch.float32)),
+        (CUDA_FP32_SET_OPT_DTYPE, _set_opt_dtype_kernel),
+        (CUDA_PROMOTE, _promote_kernel),
+        (CUDA_LOWER_PRECISION_EXTRA, lambda op: _cast_kernel(op, lambda: torch.get_autocast_dtype("cpu"))),
+        (CPU_ONLY, lambda op: torch.library.fallthrough_kernel),
+    )
+    for names, make in makers:
+        for name in names:
+            op = _op(name)
+            if op is not None:  # older releases lack a few (the lists are from the newest header)
+                yield name, make(op)
+
+
+@contextlib.contextmanager
+def cuda_autocast_policy():
+    """Within this context, CPU autocast casts as CUDA autocast would (see the module docstring)."""
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            # Re-registering an op the CPU list already has warns "Overriding a previously registered
+            # kernel"; that is the point, and destroying the library restores the original.
+            warnings.simplefilter("ignore")
+            for name, kernel in _kernels():
+                library.impl(name, kernel, "AutocastCPU")
+        yield
+    finally:
+        library._destroy()
