@@ -52,7 +52,8 @@ class Record:
     peak_reserved_bytes: int | None = None
     peak_reserved_expandable_bytes: int | None = None
     peak_reserved_async_bytes: int | None = None
-    device_overhead_bytes: int | None = None
+    device_overhead_bytes: int | None = None  # outside the allocator (CUDA context)
+    library_workspace_bytes: int | None = None  # BLAS workspaces, inside the allocator's figures
     fits: bool | None = None
     process_peak_rss_bytes: int | None = None
     params_bytes: int | None = None
@@ -163,8 +164,10 @@ def _v2_to_v3(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _v3_to_v4(frame: pd.DataFrame) -> pd.DataFrame:
-    """Schema 4 added the reserved-memory error against the measured twin: unknown before it."""
+    """Schema 4 added the reserved-memory error against the measured twin and the BLAS workspaces the
+    projection counts inside the allocator: unknown before it."""
     frame["reserved_error_vs_measured"] = None
+    frame["library_workspace_bytes"] = None
     frame["schema_version"] = 4
     return frame
 

@@ -13,7 +13,7 @@ from harness.cell import MeasureSettings, measure_cell
 from harness.cli import main
 from harness.plan import Cell
 from harness.profiles import load_profiles
-from harness.project import max_batch, project, project_cell, traced
+from harness.project import library_workspaces, max_batch, project, project_cell, traced
 from harness.project.allocator import replay
 from suites.techniques import parse_stack
 from suites.workloads import WORKLOADS
@@ -75,7 +75,8 @@ def test_depth_extrapolation_matches_a_full_trace_of_a_mid_size_model():
     extrapolated = project(workload, spec, stack, "train", 1, h100)
     assert extrapolated.memory.extrapolated_from  # 12 layers: traced at two small depths
     full = traced(workload, spec, stack, "train", 1, h100)
-    assert abs(extrapolated.memory.peak_allocated / full.peak_bytes - 1) < 0.005
+    assert abs(extrapolated.trace.peak_bytes / full.peak_bytes - 1) < 0.005
+    assert extrapolated.memory.peak_allocated == extrapolated.trace.peak_bytes + extrapolated.memory.workspaces
     assert abs(extrapolated.memory.activations / full.activations_bytes - 1) < 0.005
     assert abs(extrapolated.trace.flops / full.flops - 1) < 0.005
 
@@ -88,6 +89,25 @@ def test_cuda_profiles_round_allocations_to_512_bytes():
     on_cpu = traced(workload, spec, stack, "train", 4, PROFILES["cpu"])
     assert all(size % 512 == 0 for kind, _, size in on_gpu.events if kind == "alloc")
     assert on_gpu.peak_bytes > on_cpu.peak_bytes
+
+
+def test_blas_workspaces_are_inside_the_allocators_figures():
+    # CublasHandlePool.cpp: 32 MiB cuBLAS workspace on sm90 only, the ":4096:2:16:8" default elsewhere
+    # (Blackwell included), 1 MiB cuBLASLt; hipBLAS 128 MiB on gfx94x, hipBLASLt 76 MiB.
+    assert library_workspaces(PROFILES["h100-sxm"]) == (32 * MiB, MiB)
+    assert library_workspaces(PROFILES["b200"]) == library_workspaces(PROFILES["a100-sxm4-80gb"]) == (
+        8 * MiB + 128 * 1024, MiB)
+    assert library_workspaces(PROFILES["mi300x"]) == (128 * MiB, 76 * MiB)
+    assert library_workspaces(PROFILES["cpu"]) == ()
+    workload = WORKLOADS["gpt"]
+    spec = workload.sizes["smoke"]
+    stack = parse_stack("baseline")
+    h100 = project(workload, spec, stack, "train", 4, PROFILES["h100-sxm"]).memory
+    a100 = project(workload, spec, stack, "train", 4, PROFILES["a100-sxm4-80gb"]).memory
+    # Same trace (both GPUs), different workspaces: the difference is exactly the cuBLAS workspace's.
+    assert h100.peak_allocated - a100.peak_allocated == 32 * MiB - (8 * MiB + 128 * 1024)
+    assert h100.workspaces == 33 * MiB and h100.reserved["native"] >= h100.peak_allocated
+    assert h100.overhead == 512 * MiB  # the context alone, outside the allocator
 
 
 def test_gpt3_175b_training_does_not_fit_one_gpu_and_says_by_how_much():

@@ -27,11 +27,30 @@ from suites.workloads.base import SizeSpec, Workload
 # Models deeper than this are traced at TRACE_DEPTHS layers and extrapolated.
 EXTRAPOLATE_ABOVE = 4
 TRACE_DEPTHS = (2, 3)
-# Outside the allocator: the CUDA context (driver dependent; "hundreds of MiB", calibration.md) [M]
-# and the cuBLAS workspace (PyTorch's default CUBLAS_WORKSPACE_CONFIG: 32 MiB on sm90+, 4096 KiB x 2
-# + 16 KiB x 8 before; calibration.md "about 32 MiB on sm90, less on older parts").
+# Outside the allocator: the CUDA context (driver dependent; "hundreds of MiB", calibration.md) [M].
 CUDA_CONTEXT_BYTES = 512 * 2**20
-CUBLAS_WORKSPACE_BYTES = {True: 32 * 2**20, False: 2 * 4 * 2**20 + 8 * 16 * 2**10}
+KiB, MiB = 2**10, 2**20
+# Inside the allocator: on its first matmul each (handle, stream) gets a cuBLAS and a cuBLASLt workspace
+# from PyTorch's caching allocator, kept for the life of the process, so they count in
+# max_memory_allocated (aten/src/ATen/cuda/CublasHandlePool.cpp, PyTorch 2.6-2.11): cuBLAS
+# CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8" (8 MiB + 128 KiB) or 32 MiB on sm90 exactly; cuBLASLt 1 MiB.
+# ROCm: hipBLAS 32 MiB (128 MiB on gfx94x/gfx95x) and hipBLASLt 76 MiB.
+CUBLAS_WORKSPACE_BYTES = 2 * 4096 * KiB + 8 * 16 * KiB
+CUBLAS_WORKSPACE_SM90_BYTES = 32 * MiB
+CUBLASLT_WORKSPACE_BYTES = 1 * MiB
+HIPBLAS_WORKSPACE_BYTES = {True: 128 * MiB, False: 32 * MiB}  # keyed by gfx94x/gfx95x
+HIPBLASLT_WORKSPACE_BYTES = 76 * MiB
+
+
+def library_workspaces(profile) -> tuple[int, ...]:
+    """Bytes of the BLAS workspaces PyTorch allocates through its caching allocator on `profile`."""
+    if profile.vendor == "nvidia":
+        blas = CUBLAS_WORKSPACE_SM90_BYTES if profile.cc_tuple == (9, 0) else CUBLAS_WORKSPACE_BYTES
+        return (blas, CUBLASLT_WORKSPACE_BYTES)
+    if profile.vendor == "amd":
+        gfx94_95 = (profile.gfx_target or "").startswith(("gfx94", "gfx95"))
+        return (HIPBLAS_WORKSPACE_BYTES[gfx94_95], HIPBLASLT_WORKSPACE_BYTES)
+    return ()
 
 
 @dataclass
@@ -45,7 +64,8 @@ class MemoryProjection:
     optimizer: int
     activations: int
     temporaries: int
-    overhead: int
+    workspaces: int  # BLAS workspaces, inside the allocator (included in peak_allocated and reserved)
+    overhead: int  # outside the allocator: the CUDA context
     capacity: int | None
     extrapolated_from: tuple[int, ...] = ()
     notes: list[str] = field(default_factory=list)
@@ -65,11 +85,8 @@ class Projection:
 
 
 def device_overhead(profile) -> int:
-    """Bytes a process holds on the device outside PyTorch's allocator: context + cuBLAS workspace."""
-    if profile.vendor == "cpu":
-        return 0
-    cc = profile.cc_tuple
-    return CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES[bool(cc and cc >= (9, 0))]
+    """Bytes a process holds on the device outside PyTorch's allocator: the CUDA (or HIP) context."""
+    return 0 if profile.vendor == "cpu" else CUDA_CONTEXT_BYTES
 
 
 def _trace_key(profile) -> tuple:
@@ -97,13 +114,18 @@ def traced(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_si
     return _TRACES[key]
 
 
-def _reserved(trace: StepTrace) -> dict[str, int]:
-    """Peak reserved bytes under each allocator setting (computed once per trace: it does not depend
-    on the profile, only on the allocation log)."""
-    if trace.reserved is None:
-        trace.reserved = {setting: replay(trace.events, setting).peak_reserved
-                          for setting in ("native", "expandable_segments", "cudaMallocAsync")}
-    return trace.reserved
+def _reserved(trace: StepTrace, workspaces: tuple[int, ...] = ()) -> dict[str, int]:
+    """Peak reserved bytes under each allocator setting, the workspaces allocated before the step (as
+    they are, at the warm-up's first matmul); computed once per trace and set of workspaces."""
+    if workspaces not in trace.reserved:
+        first = [("alloc", -1 - i, size) for i, size in enumerate(workspaces)]
+        trace.reserved[workspaces] = {setting: replay(first + trace.events, setting).peak_reserved
+                                      for setting in ("native", "expandable_segments", "cudaMallocAsync")}
+    return trace.reserved[workspaces]
+
+
+def _uses_blas(trace: StepTrace) -> bool:
+    return any(kind == "matmul" for _, kind, _ in trace.costs)
 
 
 def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> float:
@@ -115,7 +137,8 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
     depth = spec.config.get("n_layer")
     if depth is None or depth <= EXTRAPOLATE_ABOVE:
         trace = traced(workload, spec, stack, mode, batch_size, profile)
-        reserved = _reserved(trace)
+        workspaces = library_workspaces(profile) if _uses_blas(trace) else ()
+        reserved = _reserved(trace, workspaces)
         extrapolated: tuple[int, ...] = ()
     else:
         low, high = extrapolated = TRACE_DEPTHS
@@ -126,15 +149,22 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
         # a shallow trace's frees would be multiplied by the depth): keep the deeper trace's ratio of
         # reserved to allocated instead.
         reserved_b = _reserved(trace_b)
-        reserved = {s: round(trace.peak_bytes * reserved_b[s] / trace_b.peak_bytes) for s in reserved_b}
+        workspaces = library_workspaces(profile) if _uses_blas(trace_b) else ()
+        alone = {s: replay([("alloc", i, size) for i, size in enumerate(workspaces)], s).peak_reserved
+                 for s in reserved_b}
+        reserved = {s: round(trace.peak_bytes * reserved_b[s] / trace_b.peak_bytes) + alone[s] for s in reserved_b}
     if profile.vendor == "cpu":
         reserved = {"native": None}  # no caching allocator on the host: nothing to model
+    notes = list(trace.notes)
+    if workspaces:
+        notes.append(f"includes {sum(workspaces) / MiB:.1f} MiB of BLAS workspaces in the allocator")
     memory = MemoryProjection(
-        peak_allocated=trace.peak_bytes, reserved=reserved, params=trace.params_bytes, grads=trace.grads_bytes,
+        peak_allocated=trace.peak_bytes + sum(workspaces), reserved=reserved, params=trace.params_bytes,
+        grads=trace.grads_bytes,
         optimizer=trace.optimizer_bytes, activations=trace.activations_bytes,
-        temporaries=trace.at_peak.get("temporaries", 0), overhead=device_overhead(profile),
-        capacity=profile.memory_bytes if profile.vendor != "cpu" else None, extrapolated_from=extrapolated,
-        notes=list(trace.notes))
+        temporaries=trace.at_peak.get("temporaries", 0), workspaces=sum(workspaces),
+        overhead=device_overhead(profile), capacity=profile.memory_bytes if profile.vendor != "cpu" else None,
+        extrapolated_from=extrapolated, notes=notes)
     return Projection(memory, estimate(trace, profile), trace)
 
 
@@ -238,7 +268,8 @@ def projected_fields(projection: Projection, workload: Workload, spec: SizeSpec,
         peak_reserved_bytes=memory.reserved.get("native"),
         peak_reserved_expandable_bytes=memory.reserved.get("expandable_segments"),
         peak_reserved_async_bytes=memory.reserved.get("cudaMallocAsync"),
-        device_overhead_bytes=memory.overhead, fits=memory.fits, params_bytes=memory.params,
+        device_overhead_bytes=memory.overhead, library_workspace_bytes=memory.workspaces, fits=memory.fits,
+        params_bytes=memory.params,
         grads_bytes=memory.grads if mode == "train" else None,
         optimizer_bytes=memory.optimizer if mode == "train" else None,
         activations_bytes=memory.activations, temporaries_bytes=memory.temporaries,
@@ -274,5 +305,5 @@ def project_cell(cell, profile, run_id: str, spec: SizeSpec | None = None) -> Re
     if memory.fits is False:
         status = "oom"
         reason = (f"needs {memory.reserved['native'] / 2**30:.1f} GiB reserved + {memory.overhead / 2**30:.1f} GiB "
-                  f"context/workspace > {memory.capacity / 2**30:.0f} GiB on {profile.id}")
+                  f"CUDA context > {memory.capacity / 2**30:.0f} GiB on {profile.id}")
     return base_record(cell, run_id, "projected", status, reason, seq_len=spec.seq_len, **fields)

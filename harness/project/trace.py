@@ -63,7 +63,8 @@ class StepTrace:
     baseline_bytes: int = 0  # live before the tracked step (params, optimizer state, batch)
     precision: str = "fp32"
     notes: list[str] = field(default_factory=list)
-    reserved: dict[str, int] | None = None  # allocator setting -> peak reserved, filled once by the model
+    # library workspaces allocated first -> allocator setting -> peak reserved, filled by the allocator model
+    reserved: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict)
 
     @property
     def flops(self) -> float:
