@@ -9,9 +9,13 @@ physical bounds against the published A100 measurements of reference/calibration
 - conv 0.30: cuDNN training convolutions reach far less; ResNet-50 AMP / TF32 at batch 256 (2,470 /
   938 images/s) project at -6% / +26% with it (an unconstrained grid fit agrees: 0.3).
 - attention 0.60: FlashAttention-2 forward + backward reaches 50-70% of peak on A100 (its paper);
-  the grid prefers 0.9, which we do not take (it would only hide the -34% at sequence 512).
+  the grid prefers 0.9, which we do not take (it would only hide the -33% at sequence 512). That row
+  cannot agree with the s128 rows under any per-op model: published, s512 runs 1.45x the tokens/s of
+  s128 (210 x 512 vs 580 x 128) although each s512 token costs more FLOPs (attention grows with s);
+  with the same tokens per step (16 x 512 = 64 x 128) the trace differs only in attention.
 - memory 0.85: elementwise kernels stream at 80-90% of the bandwidth.
-Mean absolute error over the like-for-like rows on 2026-11-29: 14.5%, worst -33.6% (BERT-large s512).
+Mean absolute error over the like-for-like rows on 2026-11-30 (CUDA autocast lists): 14.5%, worst -32.9%
+(BERT-large s512).
 """
 
 from __future__ import annotations
