@@ -25,7 +25,7 @@ from harness.measure.timing import time_steps
 from harness.metrics import speed_and_cost
 from harness.plan import Cell
 from harness.profiles import GpuProfile, load_profiles
-from harness.provenance import git_sha
+from harness.provenance import git_sha, nvml_info
 from harness.records import DEFAULT_NOISE_THRESHOLD, Record, atomic_write_text
 from suites.step import Step
 from suites.techniques import Run, Unsupported
@@ -66,7 +66,9 @@ def failure_status(exc: BaseException) -> str:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return "oom"
     text = str(exc)
-    if "out of memory" in text.lower() or "can't allocate memory" in text:
+    # cuBLAS and cuDNN report their own allocation failures near the memory limit (CUBLAS_STATUS_ALLOC_FAILED,
+    # CUDNN_STATUS_ALLOC_FAILED) as RuntimeErrors, not OutOfMemoryError.
+    if "out of memory" in text.lower() or "can't allocate memory" in text or "_STATUS_ALLOC_FAILED" in text:
         return "oom"
     return "error"
 
@@ -141,6 +143,8 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
         step_time_cv=timing.cv, noisy=timing.cv > settings.noise_threshold if timing.cv is not None else None,
         timed_steps=len(timing.step_s), throughput_samples_s=throughput,
         flops_per_step=flops_per_sample * cell.batch_size, **derived,
+        alloc_retries=reading.alloc_retries,
+        driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
         wall_time_s=time.perf_counter() - started, notes="; ".join(run.notes))
 
 

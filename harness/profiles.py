@@ -295,14 +295,24 @@ def unknown_name(what: str, name: str, valid: list[str]) -> str:
     return f"unknown {what} {name!r}{hint} (valid: {', '.join(valid)})"
 
 
+LOCAL_DEVICE_ENV = "HEADROOM_LOCAL_DEVICE"
+
+
 def detect_local(profiles: dict[str, GpuProfile]) -> GpuProfile:
     """The profile of the device this process would measure on: the CUDA device by exact name, else `cpu`.
 
     A CUDA device whose name matches no profile raises, naming the device, instead of silently
-    borrowing a neighbour's figures.
+    borrowing a neighbour's figures. HEADROOM_LOCAL_DEVICE=cpu measures on the host CPU of a GPU
+    machine (the test suite does, so it behaves the same everywhere).
     """
     import torch
 
+    forced = os.environ.get(LOCAL_DEVICE_ENV)
+    if forced:
+        if forced != "cpu":
+            raise ProfileError(f"{LOCAL_DEVICE_ENV}={forced!r}: only 'cpu' can be forced (a GPU is detected by "
+                               "its name); unset it to measure on the GPU")
+        return profiles["cpu"]
     if torch.cuda.is_available():
         device_name = torch.cuda.get_device_name(0)
         for profile in profiles.values():

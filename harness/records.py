@@ -55,6 +55,7 @@ class Record:
     device_overhead_bytes: int | None = None  # outside the allocator (CUDA context)
     library_workspace_bytes: int | None = None  # BLAS workspaces, inside the allocator's figures
     fits: bool | None = None
+    alloc_retries: int | None = None  # CUDA allocator: cudaMalloc failures retried after freeing its cache
     process_peak_rss_bytes: int | None = None
     params_bytes: int | None = None
     grads_bytes: int | None = None
@@ -164,10 +165,11 @@ def _v2_to_v3(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _v3_to_v4(frame: pd.DataFrame) -> pd.DataFrame:
-    """Schema 4 added the reserved-memory error against the measured twin and the BLAS workspaces the
-    projection counts inside the allocator: unknown before it."""
+    """Schema 4 added the reserved-memory error against the measured twin, the BLAS workspaces the
+    projection counts inside the allocator and the CUDA allocator's retries: unknown before it."""
     frame["reserved_error_vs_measured"] = None
     frame["library_workspace_bytes"] = None
+    frame["alloc_retries"] = None
     frame["schema_version"] = 4
     return frame
 

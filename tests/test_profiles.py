@@ -13,6 +13,7 @@ import pytest
 
 from harness.profiles import (
     BUILTIN_PROFILES_DIR,
+    LOCAL_DEVICE_ENV,
     PROFILES_ENV,
     GpuProfile,
     ProfileError,
@@ -453,9 +454,10 @@ def test_error_for_key_with_newline_is_one_line(tmp_path):
     _one_line(info.value)
 
 
-def test_detect_local_is_cpu_without_cuda(profiles):
+def test_detect_local_is_cpu_without_cuda(profiles, monkeypatch):
     import torch
 
+    monkeypatch.delenv(LOCAL_DEVICE_ENV)
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     assert detect_local(profiles) is profiles["cpu"]
@@ -464,6 +466,7 @@ def test_detect_local_is_cpu_without_cuda(profiles):
 def test_detect_local_matches_exact_device_name(profiles, monkeypatch):
     import torch
 
+    monkeypatch.delenv(LOCAL_DEVICE_ENV)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA A100-SXM4-80GB")
     assert detect_local(profiles).id == "a100-sxm4-80gb"
@@ -473,3 +476,16 @@ def test_detect_local_matches_exact_device_name(profiles, monkeypatch):
     with pytest.raises(ProfileError) as info:
         detect_local(profiles)
     assert "NVIDIA A100-SXM4-80GB MIG 1g.10gb" in _one_line(info.value)
+
+
+def test_the_host_cpu_can_be_forced_on_a_gpu_machine(profiles, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setenv(LOCAL_DEVICE_ENV, "cpu")
+    assert detect_local(profiles) is profiles["cpu"]
+    monkeypatch.setenv(LOCAL_DEVICE_ENV, "h100-sxm")
+    with pytest.raises(ProfileError) as info:
+        detect_local(profiles)
+    assert "only 'cpu'" in _one_line(info.value)

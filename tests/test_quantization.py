@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -250,7 +251,9 @@ def test_group_quant_int4_uses_torchao_tinygemm_on_cuda():
         pytest.skip("tinygemm needs compute capability >= 8.0")
     gpu = next(p for p in PROFILES.values() if p.vendor == "nvidia")
     workload = WORKLOADS["gpt"]
-    spec = workload.sizes["smoke"]
+    smoke = workload.sizes["smoke"]
+    # 1024-wide blocks: every linear has in_features a multiple of 1024, which tinygemm takes unpadded.
+    spec = dataclasses.replace(smoke, config={**smoke.config, "n_embd": 1024, "n_head": 8})
     torch.manual_seed(0)
     model = workload.build(spec).eval()
     batch = {k: v.cuda() for k, v in workload.batch(spec, 2, torch.Generator().manual_seed(1)).items()}
@@ -260,6 +263,15 @@ def test_group_quant_int4_uses_torchao_tinygemm_on_cuda():
     run.model = run.model.cuda()
     assert _layers(run.model, G.Bf16Input), run.notes[-1]
     assert _relative_error(Step(run, torch.device("cuda"))(batch), ref) < 0.15
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchao's int4 tinygemm kernel needs a CUDA GPU")
+def test_group_quant_int4_keeps_the_true_size_where_tinygemm_would_pad():
+    if not _torchao_available():
+        pytest.skip(f"torchao is not usable here: {G._torchao()[1]}")
+    linear = nn.Linear(768, 256)  # tinygemm pads in_features to 1024: a third more bytes than the layer
+    assert G._torchao_layer(linear, 4, 128, torch.device("cuda")) is None
+    assert G._torchao_layer(nn.Linear(1024, 256), 4, 128, torch.device("cuda")) is not None
 
 
 # --- checks --------------------------------------------------------------------------------------------

@@ -92,3 +92,16 @@ def test_twin_errors_compare_peak_step_time_and_reserved(tmp_path):
     assert rows["p"]["step_time_error_vs_measured"] == pytest.approx(-0.20)
     # A projection for another GPU has no twin here: its errors stay unknown.
     assert rows["q"]["peak_error_vs_measured"] is None and rows["q"]["reserved_error_vs_measured"] is None
+
+
+@pytest.mark.parametrize("message, status", [
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
+    ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "oom"),
+    ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "oom"),
+    ("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory", "oom"),
+    ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)", "error"),
+])
+def test_library_allocation_failures_count_as_out_of_memory(message, status):
+    from harness.cell import failure_status
+
+    assert failure_status(RuntimeError(message)) == status

@@ -178,14 +178,21 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         x, y = a.costs.get(key, OpCost()), b.costs[key]
         return OpCost(count=round(lin(x.count, y.count)), flops=lin(x.flops, y.flops), bytes=lin(x.bytes, y.bytes))
 
+    # Each phase's peak is affine in the depth, the step's peak (their maximum) is not: the phase that
+    # peaks can change between the traced depths and the real one (the optimizer step's share grows).
+    phases = [p for p in b.phase_peaks if p in a.phase_peaks] or [None]
+    peaks = {p: lin(a.phase_peaks[p], b.phase_peaks[p]) if p else lin(a.peak_bytes, b.peak_bytes) for p in phases}
+    top = max(phases, key=lambda p: peaks[p])
+    at_a, at_b = (a.phase_at_peak[top], b.phase_at_peak[top]) if top else (a.at_peak, b.at_peak)
     return StepTrace(
-        peak_bytes=round(lin(a.peak_bytes, b.peak_bytes)),
-        at_peak={k: round(lin(a.at_peak.get(k, 0), b.at_peak.get(k, 0))) for k in set(a.at_peak) | set(b.at_peak)},
+        peak_bytes=round(peaks[top]),
+        at_peak={k: round(lin(at_a.get(k, 0), at_b.get(k, 0))) for k in set(at_a) | set(at_b)},
         params_bytes=round(lin(a.params_bytes, b.params_bytes)), grads_bytes=round(lin(a.grads_bytes, b.grads_bytes)),
         optimizer_bytes=round(lin(a.optimizer_bytes, b.optimizer_bytes)),
         activations_bytes=round(lin(a.activations_bytes, b.activations_bytes)), events=[],
         costs={key: cost(key) for key in b.costs}, precision=b.precision,
-        notes=b.notes + [f"extrapolated from traces at {low} and {high} layers to {depth}"])
+        notes=b.notes + [f"extrapolated from traces at {low} and {high} layers to {depth}"],
+        phase_peaks={p: round(v) for p, v in peaks.items() if p})
 
 
 def fits_at(workload, spec, stack, mode, batch_size, profile) -> bool:

@@ -65,6 +65,8 @@ class StepTrace:
     notes: list[str] = field(default_factory=list)
     # library workspaces allocated first -> allocator setting -> peak reserved, filled by the allocator model
     reserved: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict)
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # step phase -> its peak (bytes)
+    phase_at_peak: dict[str, dict[str, int]] = field(default_factory=dict)  # ... and the breakdown there
 
     @property
     def flops(self) -> float:
@@ -86,6 +88,11 @@ class _RecordingMemTracker(MemTracker):
         self.peak = 0
         self.at_peak: dict[str, int] = {}
         self.events: list[tuple[str, int, int]] = []
+        # The peak of each step phase, with its breakdown: peaks of different phases grow at different
+        # rates with depth, so depth extrapolation extrapolates each and takes the largest.
+        self.phase = "forward"
+        self.phase_peaks: dict[str, int] = {}
+        self.phase_at_peak: dict[str, dict[str, int]] = {}
 
     def _rounded(self, nbytes: int) -> int:
         return math.ceil(nbytes / self.rounding) * self.rounding if self.rounding > 1 else nbytes
@@ -115,6 +122,9 @@ class _RecordingMemTracker(MemTracker):
         if self.total > self.peak:
             self.peak = self.total
             self.at_peak = self.by_category()
+        if self.total > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = self.total
+            self.phase_at_peak[self.phase] = self.by_category()
 
     def by_category(self) -> dict[str, int]:
         totals: dict[str, int] = defaultdict(int)
@@ -230,7 +240,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             phase_after = {"forward_start": "forward", "forward_end": "backward", "backward_end": "optimizer"}
 
             def mark(name: str) -> None:
-                costs.phase = phase_after.get(name, costs.phase)
+                costs.phase = tracker.phase = phase_after.get(name, costs.phase)
                 if name == "forward_start" and name in marks:
                     # Accumulation runs the model again within the step; MemTracker keeps per-module
                     # stats for one call, so clear them (its categories and our log carry on).
@@ -239,6 +249,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
 
             tracker.peak = tracker.total
             tracker.at_peak = tracker.by_category()
+            tracker.phase_peaks, tracker.phase_at_peak = {}, {}
             with tracker, costs:
                 step(batch, mark=mark)
             end = tracker.by_category()
@@ -248,7 +259,8 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         peak_bytes=tracker.peak, at_peak=tracker.at_peak, params_bytes=end.get("params", 0),
         grads_bytes=end.get("grads", 0) if run.mode == "train" else 0,
         optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
-        costs=dict(costs.costs), baseline_bytes=baseline, precision=run.precision, notes=notes + run.notes)
+        costs=dict(costs.costs), baseline_bytes=baseline, precision=run.precision, notes=notes + run.notes,
+        phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak)
 
 
 def with_depth(spec, layers: int):

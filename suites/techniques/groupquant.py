@@ -119,6 +119,12 @@ def _target_device(run: Run) -> torch.device:
     return torch.device("cpu")
 
 
+# torchao 0.18 Int4TilePackedTo4dTensor.from_hp pads in_features to a multiple of 1024 and
+# out_features to one of ntile_size = 8 before packing.
+TINYGEMM_IN_MULTIPLE = 1024
+TINYGEMM_OUT_MULTIPLE = 8
+
+
 def _torchao_layer(module: nn.Linear, bits: int, group: int, device: torch.device) -> nn.Module | None:
     """The layer quantised by torchao on `device`, or None where torchao cannot do it there.
 
@@ -134,6 +140,10 @@ def _torchao_layer(module: nn.Linear, bits: int, group: int, device: torch.devic
     dtype = torch.float32
     if bits == 4:
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+            return None
+        if module.in_features % TINYGEMM_IN_MULTIPLE or module.out_features % TINYGEMM_OUT_MULTIPLE:
+            # tinygemm would zero-pad the weight (and every input) to these multiples: a 768-wide layer
+            # would hold 1024 columns. The hand-written layout keeps the true size, as the projection does.
             return None
         dtype = torch.bfloat16
     try:  # older torchao spells these configs differently: any failure here means the fallback
@@ -158,7 +168,8 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
     def apply(run: Run) -> None:
         device = _target_device(run)
         # A traced (fake-tensor) run takes the hand-written layout, whose bytes match torchao's to a few per
-        # group: torchao's quantized weights are frozen Parameters, which MemTracker cannot hook.
+        # group where torchao does not pad (see TINYGEMM_IN_MULTIPLE): torchao's quantized weights are
+        # frozen Parameters, which MemTracker cannot hook.
         traced = _traced(run)
         paths = {"torchao": 0, "hand-written": 0}
         groups_used: dict[int, int] = {}

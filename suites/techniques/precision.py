@@ -79,8 +79,10 @@ def _apply_fp8(run: Run) -> None:
     try:
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
-    except ImportError as exc:
-        raise Unsupported(f"fp8 needs torchao's float8 training: {exc}") from None
+    except Exception as exc:  # not installed, or built for another torch (which can fail in other ways)
+        first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
+        raise Unsupported(f"fp8 needs torchao's float8 training, which does not import here: "
+                          f"{type(exc).__name__}: {first_line}") from None
     linears = sum(isinstance(m, nn.Linear) for m in run.model.modules())
     convert_to_float8_training(run.model, module_filter_fn=_fp8_eligible)
     converted = sum(isinstance(m, Float8Linear) for m in run.model.modules())

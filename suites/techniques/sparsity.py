@@ -119,6 +119,15 @@ def semi_structured_fits(weight: torch.Tensor) -> bool:
     return rows % 32 == 0 and cols % 64 == 0
 
 
+def semi_structured_backend(device: torch.device) -> str | None:
+    """The kernel library PyTorch's 2:4 tensors would use on `device`: cuSPARSELt where PyTorch was
+    built with it, else CUTLASS, whose 2:4 kernels exist for compute capability 8.x only; None if neither."""
+    cusparselt = getattr(torch.backends, "cusparselt", None)
+    if cusparselt is not None and cusparselt.is_available():
+        return "cusparselt"
+    return "cutlass" if torch.cuda.get_device_capability(device)[0] == 8 else None
+
+
 class SemiStructuredLinear(nn.Module):
     """A 2:4-pruned Linear whose weight becomes a semi-structured sparse tensor when moved to CUDA.
 
@@ -142,16 +151,15 @@ class SemiStructuredLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        if self.weight.is_cuda and not self.compressed:
-            self.compress()
+        if self.weight.is_cuda and not self.compressed and semi_structured_backend(self.weight.device):
+            self.compress()  # without a backend the layer stays masked dense (same numbers, dense speed)
         return self
 
     @torch.no_grad()
     def compress(self) -> None:
         from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
 
-        cusparselt = getattr(torch.backends, "cusparselt", None)
-        if cusparselt is None or not cusparselt.is_available():
+        if semi_structured_backend(self.weight.device) == "cutlass":
             SparseSemiStructuredTensor._FORCE_CUTLASS = True  # the tutorial's fallback without cuSPARSELt
         dense = self.weight.detach().to(SEMI_STRUCTURED_DTYPE).contiguous()
         self.weight = to_sparse_semi_structured(dense)  # assigning to a buffer's name replaces the buffer
