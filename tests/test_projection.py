@@ -67,14 +67,21 @@ def test_projected_peak_is_within_3_percent_of_the_measured_peak(workload_name, 
     assert projected.optimizer == measured.optimizer_bytes
 
 
-def test_depth_extrapolation_matches_a_full_trace_of_a_mid_size_model():
-    workload = WORKLOADS["gpt"]
-    spec = dataclasses.replace(workload.sizes["gpt2-124m"], seq_len=256, batch_size=1)
-    stack = parse_stack("amp-bf16")
+@pytest.mark.parametrize("workload_name, size, technique, mode", [
+    ("gpt", "gpt2-124m", "amp-bf16", "train"), ("gpt", "gpt2-124m", "checkpointing", "train"),
+    ("gpt", "gpt2-124m", "amp-bf16", "infer"), ("bert", "bert-base", "grad-accumulation", "train"),
+])
+def test_depth_extrapolation_matches_a_full_trace_of_a_mid_size_model(workload_name, size, technique, mode):
+    workload = WORKLOADS[workload_name]
+    stack = parse_stack(technique)
+    batch = 4 if technique == "grad-accumulation" else 1
+    spec = dataclasses.replace(workload.sizes[size], seq_len=256, batch_size=batch)
     h100 = PROFILES["h100-sxm"]
-    extrapolated = project(workload, spec, stack, "train", 1, h100)
+    extrapolated = project(workload, spec, stack, mode, batch, h100)
     assert extrapolated.memory.extrapolated_from  # 12 layers: traced at two small depths
-    full = traced(workload, spec, stack, "train", 1, h100)
+    full = traced(workload, spec, stack, mode, batch, h100)
+    # The step's peak is the largest of its phases' peaks, each extrapolated on its own: at 2-3 layers
+    # the embeddings dominate, at 12 the optimizer step can (a single extrapolated peak missed by 7.6%).
     assert abs(extrapolated.trace.peak_bytes / full.peak_bytes - 1) < 0.005
     assert extrapolated.memory.peak_allocated == extrapolated.trace.peak_bytes + extrapolated.memory.workspaces
     assert abs(extrapolated.memory.activations / full.activations_bytes - 1) < 0.005
