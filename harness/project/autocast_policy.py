@@ -48,14 +48,24 @@ CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot
 # chain_matmul and linalg_multi_dot reach bmm/mm, which the CPU casts). Their casts are not cached as
 # CUDA caches weight casts; none of the suite's workloads calls them.
 CUDA_LOWER_PRECISION_EXTRA = ("addmv", "addr", "mv", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
-# On the CPU's autocast lists but not on CUDA's: on CUDA they run in their inputs' dtype (composite
-# ones, such as cross_entropy_loss, decompose into ops that are on CUDA's lists).
+# On the CPU's autocast lists (aten/src/ATen/autocast_mode.cpp, AutocastCPU) but not on CUDA's: on CUDA
+# they run in their inputs' dtype (composite ones, such as cross_entropy_loss, decompose into ops that
+# are on CUDA's lists). CPU entries that CUDA lists too are overridden above with CUDA's policy.
 CPU_ONLY = (
     "avg_pool3d", "polar", "quantile", "quantile.scalar", "nanquantile", "nanquantile.scalar", "stft",
-    "stft.center", "grid_sampler_2d", "grid_sampler_3d", "trace", "view_as_complex", "max_pool3d", "max_unpool2d",
-    "max_unpool3d", "adaptive_avg_pool3d", "reflection_pad1d", "reflection_pad2d", "replication_pad1d",
-    "replication_pad2d", "replication_pad3d", "cross_entropy_loss", "ctc_loss.IntList", "ctc_loss.Tensor",
-    "fractional_max_pool2d", "fractional_max_pool3d", "adaptive_max_pool3d", "stack", "cat", "index_copy",
+    "stft.center", "grid_sampler_2d", "_grid_sampler_2d_cpu_fallback", "grid_sampler_3d", "trace", "view_as_complex",
+    "cholesky_inverse", "cholesky_solve", "inverse", "lu_solve", "orgqr", "ormqr", "pinverse",
+    "max_pool3d", "max_unpool2d", "max_unpool3d", "adaptive_avg_pool3d", "reflection_pad1d", "reflection_pad2d",
+    "replication_pad1d", "replication_pad2d", "replication_pad3d", "cross_entropy_loss", "ctc_loss.IntList",
+    "ctc_loss.Tensor", "fft_fft", "fft_ifft", "fft_fft2", "fft_ifft2", "fft_fftn", "fft_ifftn", "fft_rfft",
+    "fft_irfft", "fft_rfft2", "fft_irfft2", "fft_rfftn", "fft_irfftn", "fft_hfft", "fft_ihfft", "linalg_cond",
+    "linalg_cond.p_str", "linalg_matrix_rank", "linalg_matrix_rank.tol_tensor", "linalg_matrix_rank.atol_rtol_tensor",
+    "linalg_matrix_rank.atol_rtol_float", "linalg_solve", "linalg_cholesky", "linalg_svdvals", "linalg_eigvals",
+    "linalg_eigvalsh", "linalg_inv", "linalg_householder_product", "linalg_tensorinv", "linalg_tensorsolve",
+    "fake_quantize_per_tensor_affine", "geqrf", "_lu_with_info", "svd", "triangular_solve",
+    "fractional_max_pool2d", "fractional_max_pool3d", "adaptive_max_pool3d", "multilabel_margin_loss_forward",
+    "linalg_qr", "linalg_cholesky_ex", "linalg_svd", "linalg_eig", "linalg_eigh", "linalg_lstsq", "linalg_inv_ex",
+    "stack", "cat", "index_copy",
 )
 
 _AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
