@@ -20,6 +20,7 @@ def speed_and_cost(profile, precision: str, flops_per_sample: float, throughput:
     them (cuDNN's default in PyTorch), so TF32 is the precision its FLOPs are actually done in."""
     if not throughput:
         return {"tokens_per_s": None, "mfu": None, "usd_per_million_samples": None, "usd_per_million_tokens": None}
+    profile = profile.per_device()  # one process, one device of the package (its share of peak and price)
     dtype = PEAK_DTYPE.get(precision, "")
     if dtype == "fp32" and convolutional and profile.has("tf32"):
         dtype = "tf32"

@@ -8,6 +8,7 @@ folder named by `--profiles DIR` or `HEADROOM_PROFILES`.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -43,6 +44,7 @@ class GpuProfile:
     compute_capability: str | None = None
     gfx_target: str | None = None
     memory_bytes: int | None = None
+    visible_memory_bytes: int | None = None  # what the driver reports (nvidia-smi memory.total)
     memory_bandwidth_bytes_s: float | None = None
     tdp_w: float | None = None
     sm_count: int | None = None
@@ -66,6 +68,32 @@ class GpuProfile:
         """Dense peak FLOP/s for `dtype`, None where unknown (MFU is then empty, not wrong)."""
         return self.peak_flops.get(dtype)
 
+    def per_device(self) -> GpuProfile:
+        """The share of the package one process runs on. A package of several devices (MI250X: two
+        GCDs, each its own GPU to software) divides its memory, bandwidth, peaks, power, units and
+        price among them; `visible_memory_mib` is already per device."""
+        n = self.devices_per_package
+        if n == 1:
+            return self
+
+        def share(value):
+            return None if value is None else value / n
+
+        return dataclasses.replace(
+            self, devices_per_package=1,
+            memory_bytes=None if self.memory_bytes is None else self.memory_bytes // n,
+            memory_bandwidth_bytes_s=share(self.memory_bandwidth_bytes_s), tdp_w=share(self.tdp_w),
+            sm_count=None if self.sm_count is None else self.sm_count // n,
+            l2_bytes=None if self.l2_bytes is None else self.l2_bytes // n,
+            peak_flops={k: v / n for k, v in self.peak_flops.items()},
+            sparse_flops={k: v / n for k, v in self.sparse_flops.items()}, usd_per_hour=share(self.usd_per_hour))
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The memory a process can be given: the driver's figure where known (ECC and driver
+        reservations take 0.5-6% of the datasheet size), else the datasheet's."""
+        return self.visible_memory_bytes or self.memory_bytes
+
     @property
     def cc_tuple(self) -> tuple[int, int] | None:
         if not self.compute_capability:
@@ -85,6 +113,7 @@ _TOP_LEVEL: dict[str, tuple[tuple[type, ...], str]] = {
     "compute_capability": ((str,), 'a string like "8.0"'),
     "gfx_target": ((str,), 'a string like "gfx942"'),
     "memory_gib": ((int, float), "a positive number of GiB"),
+    "visible_memory_mib": ((int, float), "a positive number of MiB (nvidia-smi memory.total)"),
     "memory_bandwidth_gb_s": ((int, float), "a positive number of GB/s"),
     "tdp_w": ((int, float), "a positive number of watts"),
     "sm_count": ((int,), "a positive integer"),
@@ -101,7 +130,8 @@ _TOP_LEVEL: dict[str, tuple[tuple[type, ...], str]] = {
 }
 _REQUIRED = ("id", "family", "name", "vendor", "match", "features")
 # Figures that must cite a source when present.
-_SOURCED = ("memory_gib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib", "compute_capability",
+_SOURCED = ("memory_gib", "visible_memory_mib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib",
+            "compute_capability",
             "peak_tflops", "sparse_tflops", "interconnect")
 _INTERCONNECT = {"gpu_link": str, "gpu_link_gb_s": (int, float), "host_link": str, "host_link_gb_s": (int, float)}
 
@@ -140,7 +170,8 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
     cc = data.get("compute_capability")
     if cc is not None and not _is_cc(cc):
         raise _fail(path, "compute_capability", f'"MAJOR.MINOR" such as "8.0", got {cc!r}')
-    for key in ("memory_gib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib", "devices_per_package"):
+    for key in ("memory_gib", "visible_memory_mib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib",
+                "devices_per_package"):
         if key in data:
             _positive(path, key, data[key], _TOP_LEVEL[key][1])
 
@@ -192,6 +223,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
         match=tuple(data["match"]), path=path, architecture=data.get("architecture"),
         compute_capability=cc, gfx_target=data.get("gfx_target"),
         memory_bytes=int(data["memory_gib"] * 2**30) if "memory_gib" in data else None,
+        visible_memory_bytes=int(data["visible_memory_mib"] * 2**20) if "visible_memory_mib" in data else None,
         memory_bandwidth_bytes_s=scaled("memory_bandwidth_gb_s", 1e9),
         tdp_w=data.get("tdp_w"), sm_count=data.get("sm_count"),
         l2_bytes=int(data["l2_mib"] * 2**20) if "l2_mib" in data else None,

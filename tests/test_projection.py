@@ -15,6 +15,7 @@ from harness.plan import Cell
 from harness.profiles import load_profiles
 from harness.project import library_workspaces, max_batch, project, project_cell, traced
 from harness.project.allocator import replay
+from harness.project.roofline import estimate
 from suites.techniques import parse_stack
 from suites.workloads import WORKLOADS
 
@@ -117,11 +118,38 @@ def test_blas_workspaces_are_inside_the_allocators_figures():
     assert h100.overhead == 512 * MiB  # the context alone, outside the allocator
 
 
+def test_fit_is_judged_against_the_memory_the_driver_reports():
+    # A T4's datasheet says 16 GB; with ECC on its driver reports 15,360 MiB, and that is what a process gets.
+    assert PROFILES["t4"].capacity_bytes == 15360 * MiB < PROFILES["t4"].memory_bytes
+    workload = WORKLOADS["gpt"]
+    spec = workload.sizes["smoke"]
+    memory = project(workload, spec, parse_stack("baseline"), "train", 4, PROFILES["t4"]).memory
+    assert memory.capacity == 15360 * MiB
+    assert not any("datasheet memory size" in note for note in memory.notes)
+
+
+def test_a_multi_device_package_is_projected_on_one_of_its_devices():
+    # An MI250X is two GCDs, each a GPU to PyTorch: one process gets one GCD's memory, bandwidth and peak.
+    package = PROFILES["mi250x"]
+    device = package.per_device()
+    assert package.devices_per_package == 2 and device.devices_per_package == 1
+    assert device.memory_bandwidth_bytes_s == package.memory_bandwidth_bytes_s / 2
+    assert device.peak("fp16") == package.peak("fp16") / 2
+    assert dataclasses.replace(package, usd_per_hour=3.0).per_device().usd_per_hour == 1.5  # half the rent
+    workload = WORKLOADS["gpt"]
+    spec = workload.sizes["smoke"]
+    projection = project(workload, spec, parse_stack("amp-fp16"), "train", 4, package)
+    assert projection.memory.capacity == 65520 * MiB  # one GCD, not the package's 128 GiB
+    whole_package = estimate(projection.trace, package)
+    assert projection.time.compute_s + projection.time.memory_s == pytest.approx(
+        2 * (whole_package.compute_s + whole_package.memory_s))
+
+
 def test_gpt3_175b_training_does_not_fit_one_gpu_and_says_by_how_much():
     cell = Cell("gpt", "gpt3-175b", "train", "amp-bf16", "h100-sxm", 1, source="projected")
     record = project_cell(cell, PROFILES["h100-sxm"], "t")
     assert record.status == "oom" and record.fits is False
-    assert "GiB reserved" in record.reason and "80 GiB on h100-sxm" in record.reason
+    assert "GiB reserved" in record.reason and "GiB on h100-sxm" in record.reason
     # Parameters in fp32 (4 B) plus AdamW's two moments (8 B) for ~175e9 parameters (C3's order).
     assert 0.68e12 < record.params_bytes < 0.72e12
     assert 1.36e12 < record.optimizer_bytes < 1.44e12

@@ -134,6 +134,7 @@ def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> 
 
 def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_size: int, profile) -> Projection:
     """Memory and time of one cell on `profile` (raises Unsupported like a measured run would)."""
+    profile = profile.per_device()  # a process runs on one device of a multi-device package
     depth = spec.config.get("n_layer")
     if depth is None or depth <= EXTRAPOLATE_ABOVE:
         trace = traced(workload, spec, stack, mode, batch_size, profile)
@@ -156,6 +157,9 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
     if profile.vendor == "cpu":
         reserved = {"native": None}  # no caching allocator on the host: nothing to model
     notes = list(trace.notes)
+    if profile.vendor != "cpu" and profile.visible_memory_bytes is None:
+        notes.append("fit judged against the datasheet memory size: no driver-reported figure in the profile, "
+                     "and ECC/driver reservations take 0.5-6% of it")
     if workspaces:
         notes.append(f"includes {sum(workspaces) / MiB:.1f} MiB of BLAS workspaces in the allocator")
     memory = MemoryProjection(
@@ -163,7 +167,7 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
         grads=trace.grads_bytes,
         optimizer=trace.optimizer_bytes, activations=trace.activations_bytes,
         temporaries=trace.at_peak.get("temporaries", 0), workspaces=sum(workspaces),
-        overhead=device_overhead(profile), capacity=profile.memory_bytes if profile.vendor != "cpu" else None,
+        overhead=device_overhead(profile), capacity=profile.capacity_bytes if profile.vendor != "cpu" else None,
         extrapolated_from=extrapolated, notes=notes)
     return Projection(memory, estimate(trace, profile), trace)
 
@@ -207,14 +211,15 @@ def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profi
     checked by a projection at the answer and walked down (binary search) if the allocator's
     rounding makes it miss.
     """
-    if profile.memory_bytes is None:
+    profile = profile.per_device()
+    if profile.capacity_bytes is None:
         raise ValueError(f"profile {profile.id} has no memory size: cannot solve for the largest batch")
     first = project(workload, spec, stack, mode, step, profile).memory
     if not first.fits:
         return 0
     second = project(workload, spec, stack, mode, 2 * step, profile).memory
     slope = (second.reserved["native"] - first.reserved["native"]) / step
-    budget = profile.memory_bytes - first.overhead - first.reserved["native"]
+    budget = profile.capacity_bytes - first.overhead - first.reserved["native"]
     guess = limit if slope <= 0 else min(limit, step + int(budget / slope) // step * step)
     guess = max(step, guess - guess % step)
 
@@ -312,5 +317,5 @@ def project_cell(cell, profile, run_id: str, spec: SizeSpec | None = None) -> Re
     if memory.fits is False:
         status = "oom"
         reason = (f"needs {memory.reserved['native'] / 2**30:.1f} GiB reserved + {memory.overhead / 2**30:.1f} GiB "
-                  f"CUDA context > {memory.capacity / 2**30:.0f} GiB on {profile.id}")
+                  f"CUDA context > {memory.capacity / 2**30:.1f} GiB on {profile.id}")
     return base_record(cell, run_id, "projected", status, reason, seq_len=spec.seq_len, **fields)
