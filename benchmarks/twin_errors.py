@@ -14,6 +14,8 @@ from harness.records import read_results
 KEY = ["workload", "size", "mode", "technique", "gpu", "batch_size"]
 ERRORS = {"peak_error_vs_measured": "peak", "reserved_error_vs_measured": "reserved",
           "step_time_error_vs_measured": "step time"}
+MEASURES = {"peak_error_vs_measured": "peak_allocated_bytes", "reserved_error_vs_measured": "peak_reserved_bytes",
+            "step_time_error_vs_measured": "step_time_ms_p50"}
 
 
 def twin_table(frame: pd.DataFrame) -> pd.DataFrame:
@@ -25,8 +27,12 @@ def twin_table(frame: pd.DataFrame) -> pd.DataFrame:
     table["measured_peak_mib"] = pairs["peak_allocated_bytes_measured"].astype("Float64") / 2**20
     table["projected_peak_mib"] = pairs["peak_allocated_bytes"].astype("Float64") / 2**20
     table["measured_step_ms"] = pairs["step_time_ms_p50_measured"]
+    # From the pair itself, not the attached columns: a run cut short never attaches them.
     for column, label in ERRORS.items():
-        table[f"{label} err"] = pairs[column]
+        measure = MEASURES[column]
+        projected_value = pd.to_numeric(pairs[measure], errors="coerce")
+        measured_value = pd.to_numeric(pairs[f"{measure}_measured"], errors="coerce")
+        table[f"{label} err"] = (projected_value / measured_value.where(measured_value > 0) - 1).astype("Float64")
     return table
 
 
@@ -34,7 +40,16 @@ def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
-    table = twin_table(pd.concat([read_results(p) for p in paths], ignore_index=True))
+    frames = []
+    for path in paths:
+        try:
+            frames.append(read_results(path))
+        except (OSError, ValueError) as exc:  # a run cut short may have written nothing yet
+            print(f"skipped {path}: {exc}", file=sys.stderr)
+    if not frames:
+        print("no readable results")
+        return 1
+    table = twin_table(pd.concat(frames, ignore_index=True))
     if table.empty:
         print("no projected row has a measured twin in these results")
         return 1

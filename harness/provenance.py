@@ -39,6 +39,8 @@ def nvml_info() -> dict[str, str | None]:
         driver = pynvml.nvmlSystemGetDriverVersion()
         count = pynvml.nvmlDeviceGetCount()
         return {"nvml": f"available, {count} device(s)", "driver_version": str(driver)}
+    except Exception as exc:  # a query can fail after a successful init (driver/library mismatch)
+        return {"nvml": f"query failed ({type(exc).__name__}: {exc})".strip(), "driver_version": None}
     finally:
         pynvml.nvmlShutdown()
 

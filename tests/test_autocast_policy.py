@@ -15,6 +15,7 @@ from harness.project import traced
 from harness.project.autocast_policy import (
     CPU_ONLY,
     CUDA_FP32,
+    CUDA_FP32_APPEND_DTYPE,
     CUDA_FP32_SET_OPT_DTYPE,
     CUDA_LOWER_PRECISION_EXTRA,
     CUDA_PROMOTE,
@@ -42,7 +43,8 @@ def _dtypes_under_autocast(dtype=torch.bfloat16) -> dict[str, torch.dtype]:
 
 
 def test_every_listed_op_exists_in_this_torch():
-    names = CUDA_FP32 + CUDA_FP32_SET_OPT_DTYPE + CUDA_PROMOTE + CUDA_LOWER_PRECISION_EXTRA + CPU_ONLY
+    names = CUDA_FP32 + CUDA_FP32_SET_OPT_DTYPE + CUDA_PROMOTE + CUDA_LOWER_PRECISION_EXTRA + CPU_ONLY + tuple(
+        CUDA_FP32_APPEND_DTYPE.values())
     assert [name for name in names if _op(name) is None] == []
 
 
@@ -116,3 +118,100 @@ def _run(workload, spec, mode, profile):
     from suites.techniques import Run
 
     return Run(workload=workload, size=spec, mode=mode, profile=profile, model=workload.build(spec), batch_size=4)
+
+
+# --- against CUDA's own autocast kernels ------------------------------------------------------------
+# Fake tensors on the `cuda` device run CUDA's autocast kernels (forward only) without a GPU: the
+# oracle the CPU-side policy must agree with, op by op, for this torch's lists.
+
+def test_every_op_on_this_torchs_cuda_lists_is_accounted_for():
+    from harness.project import autocast_policy as policy
+
+    known = set(policy.CUDA_FP32 + policy.CUDA_FP32_SET_OPT_DTYPE + policy.CUDA_PROMOTE
+                + policy.CUDA_LOWER_PRECISION_EXTRA + policy.CUDA_BANNED + policy.SAME_AS_CPU
+                + policy.SHARED_LOWER_PRECISION + tuple(policy.CUDA_FP32_APPEND_DTYPE))
+    names = [n.removeprefix("aten::") for n in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA")
+             if n.startswith("aten::")]  # other libraries (torchvision) register their own ops
+    assert names and [n for n in names if n not in known] == []
+
+
+_OPS = {
+    "softmax": lambda h, w, t: torch.softmax(h, -1),
+    "log_softmax": lambda h, w, t: torch.log_softmax(h, 1),
+    "softmax_dtype": lambda h, w, t: torch.softmax(h, -1, dtype=h.dtype),
+    "layer_norm": lambda h, w, t: F.layer_norm(h, (8,)),
+    "rms_norm": lambda h, w, t: torch.rms_norm(h, (8,)),
+    "group_norm": lambda h, w, t: F.group_norm(h.reshape(4, 4, 2), 2),
+    "batch_norm": lambda h, w, t: F.batch_norm(h, None, None, training=True),
+    "sum": lambda h, w, t: h.sum(),
+    "sum_dim": lambda h, w, t: h.sum(-1),
+    "mean": lambda h, w, t: h.mean(-1),
+    "cumsum": lambda h, w, t: h.cumsum(0),
+    "prod": lambda h, w, t: h.prod(),
+    "exp": lambda h, w, t: h.exp(),
+    "pow": lambda h, w, t: h.pow(2),
+    "rsqrt": lambda h, w, t: h.rsqrt(),
+    "norm": lambda h, w, t: torch.norm(h),
+    "vector_norm": lambda h, w, t: torch.linalg.vector_norm(h, dim=-1),
+    "logsumexp": lambda h, w, t: h.logsumexp(-1),
+    "gelu": lambda h, w, t: F.gelu(h),
+    "silu": lambda h, w, t: F.silu(h),
+    "matmul": lambda h, w, t: h @ w,
+    "linear": lambda h, w, t: F.linear(w, w),
+    "bmm": lambda h, w, t: torch.bmm(w[None], w[None]),
+    "conv2d": lambda h, w, t: F.conv2d(w.reshape(1, 1, 8, 8), w[:3, :3].reshape(1, 1, 3, 3)),
+    "sdpa": lambda h, w, t: F.scaled_dot_product_attention(w[None, None], w[None, None], w[None, None]),
+    "cross_entropy": lambda h, w, t: F.cross_entropy(h, t),
+    "nll_loss": lambda h, w, t: F.nll_loss(h, t),
+    "mse_loss": lambda h, w, t: F.mse_loss(h, w[:4]),
+    "bce_with_logits": lambda h, w, t: F.binary_cross_entropy_with_logits(h, w[:4].sigmoid()),
+    "add_mixed": lambda h, w, t: h + w[:4],
+    "cat_mixed": lambda h, w, t: torch.cat([h, w[:4]]),
+    "addcmul_mixed": lambda h, w, t: torch.addcmul(w[:4], h, h),
+    "dot_mixed": lambda h, w, t: torch.dot(h[0], w[0]),
+    "mv": lambda h, w, t: torch.mv(w, w[0]),
+}
+
+
+def _output_dtypes(device: str, dtype: torch.dtype) -> dict[str, torch.dtype | str]:
+    """Each op's output dtype under `device` autocast at `dtype`, on fake tensors of that device."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mode = FakeTensorMode()
+
+    def fake(shape, kind=torch.float32):
+        meta = torch.empty(shape, dtype=kind, device="meta")
+        return FakeTensor(mode, meta, torch.device(device)) if device == "cuda" else mode.from_tensor(
+            torch.empty(shape, dtype=kind))
+
+    enabled, previous = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    # Set directly: torch.autocast("cuda") turns itself off where CUDA is unavailable.
+    torch.set_autocast_enabled(device, True)
+    torch.set_autocast_dtype(device, dtype)
+    results = {}
+    try:
+        with mode:
+            w = fake((8, 8))
+            t = fake((4,), torch.long)
+            h = (w[:4] @ w)  # the autocast dtype, as a 16-bit activation would be
+            for name, op in _OPS.items():
+                try:
+                    results[name] = op(h, w, t).dtype
+                except RuntimeError as exc:
+                    results[name] = f"raises: {type(exc).__name__}"
+    finally:
+        torch.set_autocast_enabled(device, enabled)
+        torch.set_autocast_dtype(device, previous)
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_policy_gives_the_dtypes_cudas_own_autocast_gives(dtype):
+    cuda = _output_dtypes("cuda", dtype)
+    with cuda_autocast_policy():
+        policy = _output_dtypes("cpu", dtype)
+    host = _output_dtypes("cpu", dtype)
+    assert cuda["matmul"] == dtype and cuda["softmax"] == torch.float32  # the oracle is CUDA's autocast
+    assert {k: v for k, v in policy.items() if v != cuda[k]} == {}
+    # ...and the policy matters: the CPU's own lists disagree with CUDA's on these.
+    assert {k for k in host if host[k] != cuda[k]} >= {"softmax", "layer_norm", "sum", "exp", "norm"}

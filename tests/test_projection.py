@@ -100,21 +100,27 @@ def test_cuda_profiles_round_allocations_to_512_bytes():
 
 
 def test_blas_workspaces_are_inside_the_allocators_figures():
-    # CublasHandlePool.cpp: 32 MiB cuBLAS workspace on sm90 only, the ":4096:2:16:8" default elsewhere
-    # (Blackwell included), 1 MiB cuBLASLt; hipBLAS 128 MiB on gfx94x, hipBLASLt 76 MiB.
-    assert library_workspaces(PROFILES["h100-sxm"]) == (32 * MiB, MiB)
-    assert library_workspaces(PROFILES["b200"]) == library_workspaces(PROFILES["a100-sxm4-80gb"]) == (
-        8 * MiB + 128 * 1024, MiB)
-    assert library_workspaces(PROFILES["mi300x"]) == (128 * MiB, 76 * MiB)
-    assert library_workspaces(PROFILES["cpu"]) == ()
+    # CublasHandlePool.cpp: 32 MiB cuBLAS workspace on sm90 (and sm100/sm120 from torch 2.11), else
+    # ":4096:2:16:8"; a separate 1 MiB cuBLASLt one in 2.8-2.10; hipBLAS 128 MiB on gfx94x + hipBLASLt
+    # 76 MiB. One set per thread that runs matmuls: training adds autograd's device thread.
+    small = 8 * MiB + 128 * 1024
+    assert library_workspaces(PROFILES["h100-sxm"], "infer", "2.14.1") == (32 * MiB,)
+    assert library_workspaces(PROFILES["h100-sxm"], "train", "2.14.1") == (32 * MiB, 32 * MiB)
+    assert library_workspaces(PROFILES["b200"], "infer", "2.14.1") == (32 * MiB,)
+    assert library_workspaces(PROFILES["b200"], "infer", "2.9.0+cu128") == (small, MiB)
+    assert library_workspaces(PROFILES["a100-sxm4-80gb"], "infer", "2.14.1") == (small,)
+    assert library_workspaces(PROFILES["a100-sxm4-80gb"], "infer", "2.6.0") == (small,)
+    assert library_workspaces(PROFILES["mi300x"], "infer") == (128 * MiB, 76 * MiB)
+    assert library_workspaces(PROFILES["cpu"], "train") == ()
     workload = WORKLOADS["gpt"]
     spec = workload.sizes["smoke"]
     stack = parse_stack("baseline")
     h100 = project(workload, spec, stack, "train", 4, PROFILES["h100-sxm"]).memory
     a100 = project(workload, spec, stack, "train", 4, PROFILES["a100-sxm4-80gb"]).memory
-    # Same trace (both GPUs), different workspaces: the difference is exactly the cuBLAS workspace's.
-    assert h100.peak_allocated - a100.peak_allocated == 32 * MiB - (8 * MiB + 128 * 1024)
-    assert h100.workspaces == 33 * MiB and h100.reserved["native"] >= h100.peak_allocated
+    # Same trace (both GPUs), different workspaces: the difference is exactly the workspaces'.
+    assert h100.peak_allocated - a100.peak_allocated == h100.workspaces - a100.workspaces
+    assert h100.workspaces == sum(library_workspaces(PROFILES["h100-sxm"], "train"))
+    assert h100.reserved["native"] >= h100.peak_allocated
     assert h100.overhead == 512 * MiB  # the context alone, outside the allocator
 
 

@@ -30,27 +30,42 @@ TRACE_DEPTHS = (2, 3)
 # Outside the allocator: the CUDA context (driver dependent; "hundreds of MiB", calibration.md) [M].
 CUDA_CONTEXT_BYTES = 512 * 2**20
 KiB, MiB = 2**10, 2**20
-# Inside the allocator: on its first matmul each (handle, stream) gets a cuBLAS and a cuBLASLt workspace
-# from PyTorch's caching allocator, kept for the life of the process, so they count in
-# max_memory_allocated (aten/src/ATen/cuda/CublasHandlePool.cpp, PyTorch 2.6-2.11): cuBLAS
-# CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8" (8 MiB + 128 KiB) or 32 MiB on sm90 exactly; cuBLASLt 1 MiB.
-# ROCm: hipBLAS 32 MiB (128 MiB on gfx94x/gfx95x) and hipBLASLt 76 MiB.
+# Inside the allocator: a cuBLAS handle gets its workspace from PyTorch's caching allocator on its first
+# matmul and keeps it for the life of the process, so it counts in max_memory_allocated
+# (aten/src/ATen/cuda/CublasHandlePool.cpp). Handles are per thread: training also runs matmuls on
+# autograd's device thread, which holds its own. Sizes: CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
+# (8 MiB + 128 KiB), 32 MiB on sm90, and on sm100/sm120 too since pytorch/pytorch#175344 (2026-02-19,
+# taken as torch 2.11). cuBLASLt: a separate persistent 1 MiB from torch 2.8 until it began sharing
+# the cuBLAS workspace in 2.11 (before 2.8 it was allocated per call and freed). ROCm: hipBLAS 32 MiB
+# (128 MiB on gfx94x/gfx95x) and hipBLASLt 76 MiB.
 CUBLAS_WORKSPACE_BYTES = 2 * 4096 * KiB + 8 * 16 * KiB
-CUBLAS_WORKSPACE_SM90_BYTES = 32 * MiB
+CUBLAS_WORKSPACE_LARGE_BYTES = 32 * MiB
 CUBLASLT_WORKSPACE_BYTES = 1 * MiB
 HIPBLAS_WORKSPACE_BYTES = {True: 128 * MiB, False: 32 * MiB}  # keyed by gfx94x/gfx95x
 HIPBLASLT_WORKSPACE_BYTES = 76 * MiB
 
 
-def library_workspaces(profile) -> tuple[int, ...]:
-    """Bytes of the BLAS workspaces PyTorch allocates through its caching allocator on `profile`."""
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def library_workspaces(profile, mode: str, torch_version: str = torch.__version__) -> tuple[int, ...]:
+    """Bytes of the BLAS workspaces PyTorch `torch_version` holds in its caching allocator on `profile`:
+    one set for the thread running the forward and, in training, one for autograd's device thread."""
+    release = _release(torch_version)
     if profile.vendor == "nvidia":
-        blas = CUBLAS_WORKSPACE_SM90_BYTES if profile.cc_tuple == (9, 0) else CUBLAS_WORKSPACE_BYTES
-        return (blas, CUBLASLT_WORKSPACE_BYTES)
-    if profile.vendor == "amd":
+        cc = profile.cc_tuple or (0, 0)
+        large = cc[0] == 9 or (release >= (2, 11) and cc[0] in (10, 12))
+        per_thread = [CUBLAS_WORKSPACE_LARGE_BYTES if large else CUBLAS_WORKSPACE_BYTES]
+        if (2, 8) <= release < (2, 11):
+            per_thread.append(CUBLASLT_WORKSPACE_BYTES)
+    elif profile.vendor == "amd":
         gfx94_95 = (profile.gfx_target or "").startswith(("gfx94", "gfx95"))
-        return (HIPBLAS_WORKSPACE_BYTES[gfx94_95], HIPBLASLT_WORKSPACE_BYTES)
-    return ()
+        per_thread = [HIPBLAS_WORKSPACE_BYTES[gfx94_95], HIPBLASLT_WORKSPACE_BYTES]
+    else:
+        return ()
+    return tuple(per_thread * (2 if mode == "train" else 1))
 
 
 @dataclass
@@ -138,7 +153,7 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
     depth = spec.config.get("n_layer")
     if depth is None or depth <= EXTRAPOLATE_ABOVE:
         trace = traced(workload, spec, stack, mode, batch_size, profile)
-        workspaces = library_workspaces(profile) if _uses_blas(trace) else ()
+        workspaces = library_workspaces(profile, mode) if _uses_blas(trace) else ()
         reserved = _reserved(trace, workspaces)
         extrapolated: tuple[int, ...] = ()
     else:
@@ -150,7 +165,7 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
         # a shallow trace's frees would be multiplied by the depth): keep the deeper trace's ratio of
         # reserved to allocated instead.
         reserved_b = _reserved(trace_b)
-        workspaces = library_workspaces(profile) if _uses_blas(trace_b) else ()
+        workspaces = library_workspaces(profile, mode) if _uses_blas(trace_b) else ()
         alone = {s: replay([("alloc", i, size) for i, size in enumerate(workspaces)], s).peak_reserved
                  for s in reserved_b}
         reserved = {s: round(trace.peak_bytes * reserved_b[s] / trace_b.peak_bytes) + alone[s] for s in reserved_b}

@@ -9,13 +9,17 @@ on fake CPU tensors, so inside `cuda_autocast_policy()` the CPU's autocast kerne
 Why by hand: PyTorch keeps the CUDA lists in C++ (`aten/src/ATen/autocast_mode.h`,
 AT_FORALL_FP32 / AT_FORALL_FP32_SET_OPT_DTYPE / AT_FORALL_PROMOTE / AT_FORALL_LOWER_PRECISION_FP)
 and its CUDA kernels only cast CUDA tensors, so no API applies them to CPU tensors. The lists below
-are copied from that header (PyTorch 2.6-2.14 agree on them); ROCm uses the same CUDA lists.
+are copied from that header as of torch 2.14; each entry is applied only where the running torch
+registers a CUDA autocast kernel for the op (`rms_norm` joined in 2.12), and a test checks every op
+this torch's CUDA autocast covers against a fake-CUDA-tensor oracle. ROCm uses the CUDA lists.
+The registration is process-wide: while the context is open every thread's CPU autocast follows it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 
 import torch
@@ -33,8 +37,21 @@ CUDA_FP32 = (
     "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp", "upsample_nearest1d",
     "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_nearest3d",
     "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
-    "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa", "rms_norm", "linalg_matrix_sqrth",
 )
+# CUDA fp32_append_dtype policy: norm is called with dtype=fp32 (its dtype overload) instead.
+CUDA_FP32_APPEND_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
+# Refused under CUDA autocast (unsafe in 16 bits; use binary_cross_entropy_with_logits).
+CUDA_BANNED = ("binary_cross_entropy",)
+# Cast down on both devices' lists already (the CPU's lower_precision_fp entries that CUDA shares).
+SHARED_LOWER_PRECISION = ("conv1d", "conv2d", "conv3d", "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "addbmm",
+                          "linear", "_convolution.deprecated", "matmul", "conv_tbc", "conv_transpose1d",
+                          "conv_transpose2d.input", "conv_transpose3d.input", "prelu", "scaled_dot_product_attention")
+# On CUDA's lists, and no remapping needed: the CPU reaches the same dtypes through the ops they call
+# (conv2d, bmm/mm, scaled_dot_product_attention are cast on both), or they are CUDA-only kernels.
+SAME_AS_CPU = ("_convolution", "convolution", "cudnn_convolution", "cudnn_convolution_transpose", "_cudnn_rnn",
+               "_scaled_dot_product_flash_attention", "_thnn_fused_gru_cell", "_thnn_fused_lstm_cell",
+               "chain_matmul", "einsum", "linalg_multi_dot")
 # CUDA fp32_set_opt_dtype policy: the op's optional `dtype` is set to fp32 (its input is not copied
 # first) unless the caller set it.
 CUDA_FP32_SET_OPT_DTYPE = (
@@ -120,39 +137,86 @@ def _set_opt_dtype_kernel(op):
     return kernel
 
 
+def _append_dtype_kernel(target):
+    def kernel(*args, **kwargs):
+        if not (args and _eligible(args[0])):
+            return _redispatch(target, args, kwargs)  # same signature plus dtype: defaults apply
+        return _redispatch(target, args, {**kwargs, "dtype": torch.float32})
+    return kernel
+
+
+def _banned_kernel(name: str):
+    def kernel(*args, **kwargs):
+        raise RuntimeError(f"torch.nn.functional.{name} is unsafe to autocast (CUDA autocast refuses it): use "
+                           f"{name}_with_logits, which is safe to autocast")
+    return kernel
+
+
 def _op(name: str):
     """The aten overload `name` ("pow.Scalar"; no dot: the default overload), None if this torch lacks it."""
     packet, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
 
 
+def on_cuda_list(name: str) -> bool:
+    """Whether this torch's CUDA autocast has a kernel for the op (is on one of its lists)."""
+    qualified = "aten::" + name.removesuffix(".default")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCUDA")
+
+
 def _kernels():
-    """(op name, AutocastCPU kernel) for every op whose CUDA policy differs from the CPU's."""
+    """(op name, AutocastCPU kernel) for every op whose CUDA policy differs from the CPU's, as far as
+    this torch has the op and (for CUDA entries) lists it."""
     makers = (
-        (CUDA_FP32, lambda op: _cast_kernel(op, torch.float32)),
-        (CUDA_FP32_SET_OPT_DTYPE, _set_opt_dtype_kernel),
-        (CUDA_PROMOTE, _promote_kernel),
-        (CUDA_LOWER_PRECISION_EXTRA, lambda op: _cast_kernel(op, lambda: torch.get_autocast_dtype("cpu"))),
-        (CPU_ONLY, lambda op: torch.library.fallthrough_kernel),
+        (CUDA_FP32, lambda op, name: _cast_kernel(op, torch.float32)),
+        (CUDA_FP32_SET_OPT_DTYPE, lambda op, name: _set_opt_dtype_kernel(op)),
+        (CUDA_PROMOTE, lambda op, name: _promote_kernel(op)),
+        (CUDA_LOWER_PRECISION_EXTRA, lambda op, name: _cast_kernel(op, lambda: torch.get_autocast_dtype("cpu"))),
+        (tuple(CUDA_FP32_APPEND_DTYPE), lambda op, name: _append_dtype_kernel(_op(CUDA_FP32_APPEND_DTYPE[name]))),
+        (CUDA_BANNED, lambda op, name: _banned_kernel(name)),
     )
     for names, make in makers:
         for name in names:
             op = _op(name)
-            if op is not None:  # older releases lack a few (the lists are from the newest header)
-                yield name, make(op)
+            if op is not None and on_cuda_list(name):
+                yield name, make(op, name)
+    for name in CPU_ONLY:
+        if _op(name) is not None and not on_cuda_list(name):
+            yield name, torch.library.fallthrough_kernel
+
+
+_lock = threading.Lock()
+_depth = 0
+_library = None
 
 
 @contextlib.contextmanager
 def cuda_autocast_policy():
-    """Within this context, CPU autocast casts as CUDA autocast would (see the module docstring)."""
-    library = torch.library.Library("aten", "IMPL")
+    """Within this context, CPU autocast casts as CUDA autocast would (see the module docstring).
+
+    Re-entrant: the outermost entry registers the kernels and its exit restores the CPU's (torch
+    before 2.14 refuses a second Python registration of the same kernel)."""
+    global _depth, _library
+    with _lock:
+        if _depth == 0:
+            library = torch.library.Library("aten", "IMPL")
+            try:
+                with warnings.catch_warnings():
+                    # Re-registering an op the CPU list already has warns "Overriding a previously
+                    # registered kernel"; that is the point, and destroying the library restores it.
+                    warnings.simplefilter("ignore")
+                    for name, kernel in _kernels():
+                        library.impl(name, kernel, "AutocastCPU")
+            except BaseException:
+                library._destroy()
+                raise
+            _library = library
+        _depth += 1
     try:
-        with warnings.catch_warnings():
-            # Re-registering an op the CPU list already has warns "Overriding a previously registered
-            # kernel"; that is the point, and destroying the library restores the original.
-            warnings.simplefilter("ignore")
-            for name, kernel in _kernels():
-                library.impl(name, kernel, "AutocastCPU")
         yield
     finally:
-        library._destroy()
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                _library._destroy()
+                _library = None

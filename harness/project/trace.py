@@ -237,7 +237,8 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             marks: dict[str, dict[str, int]] = {}
 
             costs = _OpCostMode()
-            phase_after = {"forward_start": "forward", "forward_end": "backward", "backward_end": "optimizer"}
+            phase_after = ({"forward_start": "forward", "forward_end": "backward", "backward_end": "optimizer"}
+                           if run.mode == "train" else {})
 
             def mark(name: str) -> None:
                 costs.phase = tracker.phase = phase_after.get(name, costs.phase)
