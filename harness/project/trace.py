@@ -84,6 +84,7 @@ class _RecordingMemTracker(MemTracker):
         super().__init__()
         self.rounding = rounding
         self.live: dict[int, tuple[int, str]] = {}
+        self.categories: dict[str, int] = defaultdict(int)  # category -> live bytes
         self.total = 0
         self.peak = 0
         self.at_peak: dict[str, int] = {}
@@ -97,26 +98,31 @@ class _RecordingMemTracker(MemTracker):
     def _rounded(self, nbytes: int) -> int:
         return math.ceil(nbytes / self.rounding) * self.rounding if self.rounding > 1 else nbytes
 
+    def _set(self, key: int, size: int, category: str) -> None:
+        old_size, old_category = self.live.get(key, (0, category))
+        self.categories[old_category] -= old_size
+        self.categories[category] += size
+        self.live[key] = (size, category)
+        self.total += size - old_size
+
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
         super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
         key = id(winfo)
         category = CATEGORY.get(getattr(winfo.reftype, "value", str(winfo.reftype)), "temporaries")
         if u_type == _UpdateType.ADD:
             size = self._rounded(winfo.mem_consumed)
-            self.live[key] = (size, category)
-            self.total += size
+            self._set(key, size, category)
             self.events.append(("alloc", key, size))
         elif u_type == _UpdateType.DEL:
-            size, _ = self.live.pop(key, (0, category))
-            self.total -= size
+            if key in self.live:
+                self._set(key, 0, category)
+                del self.live[key]
             self.events.append(("free", key, 0))
         elif u_type == _UpdateType.REF and key in self.live:
-            self.live[key] = (self.live[key][0], category)
+            self._set(key, self.live[key][0], category)
         elif u_type == _UpdateType.SIZE:
-            old, _ = self.live.get(key, (0, category))
             size = self._rounded(winfo.mem_consumed)
-            self.live[key] = (size, category)
-            self.total += size - old
+            self._set(key, size, category)
             self.events.append(("free", key, 0))
             self.events.append(("alloc", key, size))
         if self.total > self.peak:
@@ -127,10 +133,8 @@ class _RecordingMemTracker(MemTracker):
             self.phase_at_peak[self.phase] = self.by_category()
 
     def by_category(self) -> dict[str, int]:
-        totals: dict[str, int] = defaultdict(int)
-        for size, category in self.live.values():
-            totals[category] += size
-        return dict(totals)
+        # Kept as running totals: the peaks are read after most allocations of a growing step.
+        return {category: size for category, size in self.categories.items() if size}
 
 
 def op_class(name: str) -> str:
