@@ -35,11 +35,34 @@ TABLE_COLUMNS = [
     ("step_time_error_vs_measured", "step err vs measured", fmt.percent),
     ("reserved_error_vs_measured", "reserved err vs measured", fmt.percent),
 ]
+# Projection error columns (projected / measured twin - 1) -> what they check.
+ACCURACY_COLUMNS = [("peak_error_vs_measured", "peak allocated (trace)"),
+                    ("reserved_error_vs_measured", "peak reserved (allocator model)"),
+                    ("step_time_error_vs_measured", "step time (roofline)")]
 ENV_COLUMNS = ["device_name", "torch_version", "cuda_version", "driver_version", "git_sha", "hostname"]
 
 
 def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def projection_accuracy(frame: pd.DataFrame) -> list[dict]:
+    """Per error column: how many projected rows have a measured twin, their mean |error| and the worst
+    one with its cell, so a reader sees how far to trust the projected rows of GPUs not measured."""
+    summary = []
+    for column, label in ACCURACY_COLUMNS:
+        if column not in frame:
+            continue
+        errors = pd.to_numeric(frame[column], errors="coerce").dropna()
+        if errors.empty:
+            continue
+        worst = frame.loc[errors.abs().idxmax()]
+        summary.append({
+            "what": label, "twins": str(len(errors)), "mean_abs": fmt.percent(errors.abs().mean()),
+            "worst": fmt.percent(errors.loc[errors.abs().idxmax()]),
+            "worst_cell": fmt.text(f"{worst['workload']} {worst['size']} {worst['mode']} {worst['technique']} "
+                                   f"on {worst['gpu']}")})
+    return summary
 
 
 def build_context(frame: pd.DataFrame) -> dict:
@@ -69,6 +92,7 @@ def build_context(frame: pd.DataFrame) -> dict:
         "projected_gpus": projected_gpus,
         "sources": sources,
         "workloads": workloads,
+        "accuracy": projection_accuracy(frame) if len(frame) else [],
         "environments": environments,
     }
 

@@ -309,3 +309,22 @@ def test_bytes_rounding_at_unit_boundary(value, expected):
 def test_float32_nan_is_missing():
     value = np.float32("nan")
     assert fmt.bytes_(value) == EMPTY and fmt.number(value) == EMPTY and fmt.percent(value) == EMPTY
+
+
+def test_projection_accuracy_summarises_the_twins_errors():
+    frame = _frame([
+        _record(cell_id="m", peak_allocated_bytes=100),
+        _record(cell_id="p1", source="projected", peak_error_vs_measured=0.01, step_time_error_vs_measured=-0.2),
+        _record(cell_id="p2", source="projected", technique="amp-fp16", mode="infer", peak_error_vs_measured=-0.05),
+    ])
+    sections = Page(render([frame])).sections()
+    table = sections["Projection against measurement"][0]
+    assert table["headers"] == ["figure", "twins", "mean |error|", "worst", "worst cell"]
+    rows = {row[0]: row for row in table["rows"]}
+    assert rows["peak allocated (trace)"][1:] == ["2", "3.0%", "-5.0%", "gpt small infer amp-fp16 on cpu"]
+    assert rows["step time (roofline)"][1:4] == ["1", "20.0%", "-20.0%"]
+    assert "peak reserved (allocator model)" not in rows  # no twin has a reserved figure (no GPU)
+
+
+def test_no_accuracy_section_without_twins():
+    assert "Projection against measurement" not in Page(render([_frame([_record(cell_id="a")])])).sections()
