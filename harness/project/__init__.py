@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.metrics import speed_and_cost
-from harness.project.allocator import replay
+from harness.project.allocator import SETTINGS, replay
 from harness.project.roofline import TimeEstimate, estimate
 from harness.project.trace import OpCost, StepTrace, trace_step, with_depth
 from harness.records import Record
@@ -133,14 +133,22 @@ def _reserved(trace: StepTrace, workspaces: tuple[int, ...] = ()) -> dict[str, i
     """Peak reserved bytes under each allocator setting, the workspaces allocated before the step (as
     they are, at the warm-up's first matmul); computed once per trace and set of workspaces."""
     if workspaces not in trace.reserved:
-        first = [("alloc", -1 - i, size) for i, size in enumerate(workspaces)]
-        trace.reserved[workspaces] = {setting: replay(first + trace.events, setting).peak_reserved
-                                      for setting in ("native", "expandable_segments", "cudaMallocAsync")}
+        trace.reserved[workspaces] = _replayed(_allocs_of(workspaces) + trace.events)
     return trace.reserved[workspaces]
 
 
-def _uses_blas(trace: StepTrace) -> bool:
-    return any(kind == "matmul" for _, kind, _ in trace.costs)
+def _replayed(events) -> dict[str, int]:
+    return {setting: replay(events, setting).peak_reserved for setting in SETTINGS}
+
+
+def _allocs_of(workspaces: tuple[int, ...]) -> list[tuple[str, int, int]]:
+    """Allocation events for the workspaces (negative ids: they never clash with the trace's)."""
+    return [("alloc", -1 - i, size) for i, size in enumerate(workspaces)]
+
+
+def _workspaces_for(trace: StepTrace, profile, mode: str) -> tuple[int, ...]:
+    uses_blas = any(kind == "matmul" for _, kind, _ in trace.costs)
+    return library_workspaces(profile, mode) if uses_blas else ()
 
 
 def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> float:
@@ -153,7 +161,7 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
     depth = spec.config.get("n_layer")
     if depth is None or depth <= EXTRAPOLATE_ABOVE:
         trace = traced(workload, spec, stack, mode, batch_size, profile)
-        workspaces = library_workspaces(profile, mode) if _uses_blas(trace) else ()
+        workspaces = _workspaces_for(trace, profile, mode)
         reserved = _reserved(trace, workspaces)
         extrapolated: tuple[int, ...] = ()
     else:
@@ -165,9 +173,8 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
         # a shallow trace's frees would be multiplied by the depth): keep the deeper trace's ratio of
         # reserved to allocated instead.
         reserved_b = _reserved(trace_b)
-        workspaces = library_workspaces(profile, mode) if _uses_blas(trace_b) else ()
-        alone = {s: replay([("alloc", i, size) for i, size in enumerate(workspaces)], s).peak_reserved
-                 for s in reserved_b}
+        workspaces = _workspaces_for(trace_b, profile, mode)
+        alone = _replayed(_allocs_of(workspaces))
         reserved = {s: round(trace.peak_bytes * reserved_b[s] / trace_b.peak_bytes) + alone[s] for s in reserved_b}
     if profile.vendor == "cpu":
         reserved = {"native": None}  # no caching allocator on the host: nothing to model

@@ -39,6 +39,14 @@ class Unsupported(Exception):
     """Raised by `apply` when the run cannot take the technique; becomes an `unsupported` row."""
 
 
+def default_optimizer(params) -> torch.optim.Optimizer:
+    """AdamW with the multi-tensor (foreach) implementation, which is PyTorch's default on CUDA: its
+    step holds a temporary the size of all parameters (the sqrt of exp_avg_sq for the whole group).
+    Asked for explicitly so the CPU, where the default is the per-tensor loop, and the projection's
+    fake-tensor trace on the CPU run the same step a GPU would."""
+    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
 @dataclass
 class Run:
     """Everything a stack may change about one cell before it is measured.
@@ -66,17 +74,9 @@ class Run:
     autocast_dtype: torch.dtype | None = None
     loss_scaling: bool = False
     precision: str = "fp32"
-    optimizer_factory: Callable[[Any], torch.optim.Optimizer] = field(default=lambda params: default_optimizer(params))
+    optimizer_factory: Callable[[Any], torch.optim.Optimizer] = default_optimizer
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-
-
-def default_optimizer(params) -> torch.optim.Optimizer:
-    """AdamW with the multi-tensor (foreach) implementation, which is PyTorch's default on CUDA: its
-    step holds a temporary the size of all parameters (the sqrt of exp_avg_sq for the whole group).
-    Asked for explicitly so the CPU, where the default is the per-tensor loop, and the projection's
-    fake-tensor trace on the CPU run the same step a GPU would."""
-    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
 
 Check = Callable[["GpuProfile", "Workload", str], "str | None"]
