@@ -19,6 +19,7 @@ from harness.project.autocast_policy import (
     CUDA_FP32_SET_OPT_DTYPE,
     CUDA_LOWER_PRECISION_EXTRA,
     CUDA_PROMOTE,
+    VERSION_DEPENDENT_OPS,
     _op,
     cuda_autocast_policy,
 )
@@ -45,7 +46,8 @@ def _dtypes_under_autocast(dtype=torch.bfloat16) -> dict[str, torch.dtype]:
 def test_every_listed_op_exists_in_this_torch():
     names = CUDA_FP32 + CUDA_FP32_SET_OPT_DTYPE + CUDA_PROMOTE + CUDA_LOWER_PRECISION_EXTRA + CPU_ONLY + tuple(
         CUDA_FP32_APPEND_DTYPE.values())
-    assert [name for name in names if _op(name) is None] == []
+    # A typo would be missing from every release; only ops some releases lack may be missing here.
+    assert [name for name in names if _op(name) is None and name not in VERSION_DEPENDENT_OPS] == []
 
 
 @pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])

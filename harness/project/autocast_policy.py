@@ -39,8 +39,14 @@ CUDA_FP32 = (
     "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
     "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa", "rms_norm", "linalg_matrix_sqrth",
 )
+# Ops that only some releases have at all: linalg_matrix_sqrth is on 2.14's list and absent from 2.11;
+# the named-tensor overloads below are on 2.11's lists and gone from 2.14.
+VERSION_DEPENDENT_OPS = ("linalg_matrix_sqrth", "prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname",
+                         "cumprod.dimname", "cumsum.dimname", "sum.dim_DimnameList", "norm.names_ScalarOpt_dim",
+                         "norm.names_ScalarOpt_dim_dtype")
 # CUDA fp32_append_dtype policy: norm is called with dtype=fp32 (its dtype overload) instead.
-CUDA_FP32_APPEND_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
+CUDA_FP32_APPEND_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
+                          "norm.names_ScalarOpt_dim": "norm.names_ScalarOpt_dim_dtype"}
 # Refused under CUDA autocast (unsafe in 16 bits; use binary_cross_entropy_with_logits).
 CUDA_BANNED = ("binary_cross_entropy",)
 # Cast down on both devices' lists already (the CPU's lower_precision_fp entries that CUDA shares).
@@ -57,6 +63,9 @@ SAME_AS_CPU = ("_convolution", "convolution", "cudnn_convolution", "cudnn_convol
 CUDA_FP32_SET_OPT_DTYPE = (
     "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
     "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+    # Named-tensor overloads: on the lists of torch 2.11 (the lent GPU machine's), gone by 2.14.
+    "prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname", "cumsum.dimname",
+    "sum.dim_DimnameList",
 )
 # CUDA promote policy: inputs are cast to the widest floating dtype among them.
 CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
@@ -124,7 +133,9 @@ _HALF_TO_FLOAT = {"softmax": torch.ops.aten._softmax.default, "log_softmax": tor
 def _set_opt_dtype_kernel(op):
     names = [a.name for a in op._schema.arguments]
     position = names.index("dtype")
-    half_to_float = _HALF_TO_FLOAT.get(op._schema.name.removeprefix("aten::"))
+    # Only the int-dim overloads: the named-tensor ones take a Dimname the fused kernel does not.
+    half_to_float = (_HALF_TO_FLOAT.get(op._schema.name.removeprefix("aten::"))
+                     if op._schema.overload_name == "int" else None)
 
     def kernel(*args, **kwargs):
         explicit = kwargs.get("dtype") if len(args) <= position else args[position]
