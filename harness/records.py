@@ -50,8 +50,8 @@ class Record:
     # memory, bytes
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
-    peak_reserved_expandable_bytes: int | None = None
-    peak_reserved_async_bytes: int | None = None
+    peak_reserved_expandable_bytes: int | None = None  # projected under expandable_segments:True
+    peak_reserved_async_bytes: int | None = None  # projected under cudaMallocAsync: a floor (live bytes)
     device_overhead_bytes: int | None = None  # outside the allocator (CUDA context)
     library_workspace_bytes: int | None = None  # BLAS workspaces, inside the allocator's figures
     fits: bool | None = None

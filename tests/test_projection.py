@@ -14,42 +14,12 @@ from harness.cli import main
 from harness.plan import Cell
 from harness.profiles import load_profiles
 from harness.project import library_workspaces, max_batch, project, project_cell, traced
-from harness.project.allocator import replay
 from harness.project.roofline import estimate
 from suites.techniques import parse_stack
 from suites.workloads import WORKLOADS
 
 PROFILES = load_profiles()
 MiB = 2**20
-
-
-def _allocs(start: int, count: int, size: int) -> list[tuple[str, int, int]]:
-    return [("alloc", start + i, size) for i in range(count)]
-
-
-def _frees(start: int, count: int) -> list[tuple[str, int, int]]:
-    return [("free", start + i, 0) for i in range(count)]
-
-
-def test_allocator_model_reproduces_the_documented_fragmentation_example():
-    # reference/calibration.md: 8 x 16 MiB then 4 x 32 MiB reserves 256 MiB; large-then-small 128 MiB.
-    bad = _allocs(0, 8, 16 * MiB) + _frees(0, 8) + _allocs(8, 4, 32 * MiB)
-    good = _allocs(0, 4, 32 * MiB) + _frees(0, 4) + _allocs(4, 8, 16 * MiB)
-    assert replay(bad).peak_reserved == 256 * MiB
-    assert replay(good).peak_reserved == 128 * MiB
-    # Expandable segments reuse freed ranges whatever the order.
-    assert replay(bad, "expandable_segments").peak_reserved < 160 * MiB
-
-
-def test_allocator_model_segment_rules_and_oom():
-    small = replay(_allocs(0, 3, 4096))  # three small blocks share one 2 MiB segment
-    assert small.peak_reserved == 2 * MiB and small.peak_allocated == 3 * 4096
-    assert replay(_allocs(0, 1, 3 * MiB)).peak_reserved == 20 * MiB  # 1-10 MiB: a 20 MiB segment
-    assert replay(_allocs(0, 1, 11 * MiB)).peak_reserved == 12 * MiB  # >= 10 MiB: rounded to 2 MiB
-    # Freed 16 MiB segments are released and retried before an OOM is declared.
-    bad = _allocs(0, 8, 16 * MiB) + _frees(0, 8) + _allocs(8, 4, 32 * MiB)
-    assert not replay(bad, capacity=200 * MiB).oom
-    assert replay(_allocs(0, 4, 32 * MiB), capacity=100 * MiB).oom
 
 
 CASES = [(w, t) for w in ("resnet50", "bert", "gpt") for t in ("baseline", "amp-bf16", "checkpointing")]
