@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 6 minutes: 3 x 90 s of runs, 90 s of tests):
-# measured cells with their projected twins (peak, reserved and step-time errors), then the tests
-# that skip without CUDA (2:4 semi-structured kernels, int4 tinygemm, fp8, autocast lists).
+# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 7.5 minutes: 3 x 90 s
+# of runs, 2 x 45 s under the other allocator settings, 90 s of tests): measured cells with their
+# projected twins (peak, reserved and step-time errors), then the tests that skip without CUDA (2:4
+# semi-structured kernels, int4 tinygemm, fp8, autocast lists).
 # Here:   bash benchmarks/gpu_vendor.sh
-# Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=480)
+# Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=540)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -24,6 +25,16 @@ for workload in gpt bert resnet50; do
     --out "$OUT/bench-$workload" > "$OUT/run-$workload.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
   tail -3 "$OUT/run-$workload.txt"
+done
+# The allocator model's other settings: one training cell each (the setting must be in the
+# environment before the cell's process starts; the rows record the setting the allocator reports).
+for conf in expandable_segments:True backend:cudaMallocAsync; do
+  name=${conf//[:]/-}
+  step "allocator $conf: gpt train amp-bf16"
+  PYTORCH_CUDA_ALLOC_CONF=$conf timeout 45 python -m harness.cli run --scale standard --workload gpt \
+    --technique amp-bf16 --mode train --steps 10 --repeats 2 --warmup 2 --cell-timeout 40 \
+    --out "$OUT/bench-alloc-$name" > "$OUT/run-alloc-$name.txt" 2>&1
+  echo "exit $?" | tee -a "$OUT/summary.txt"
 done
 python benchmarks/twin_errors.py "$OUT"/bench-* 2>&1 | tee -a "$OUT/summary.txt"
 

@@ -143,7 +143,7 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
         step_time_cv=timing.cv, noisy=timing.cv > settings.noise_threshold if timing.cv is not None else None,
         timed_steps=len(timing.step_s), throughput_samples_s=throughput,
         flops_per_step=flops_per_sample * cell.batch_size, **derived,
-        alloc_retries=reading.alloc_retries,
+        alloc_retries=reading.alloc_retries, allocator=reading.allocator,
         driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
         wall_time_s=time.perf_counter() - started, notes="; ".join(run.notes))
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # A measured cell whose repeats' mean step times vary by more than this (coefficient of variation)
 # is flagged `noisy`: its timings are not to be trusted to a few percent.
 DEFAULT_NOISE_THRESHOLD = 0.05
@@ -56,6 +56,9 @@ class Record:
     library_workspace_bytes: int | None = None  # BLAS workspaces, inside the allocator's figures
     fits: bool | None = None
     alloc_retries: int | None = None  # CUDA allocator: cudaMalloc failures retried after freeing its cache
+    # measured CUDA rows: the allocator setting the process ran under (native, expandable_segments,
+    # cudaMallocAsync), which picks the projected reserved figure its twin is compared with
+    allocator: str | None = None
     process_peak_rss_bytes: int | None = None
     params_bytes: int | None = None
     grads_bytes: int | None = None
@@ -174,8 +177,15 @@ def _v3_to_v4(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def _v4_to_v5(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 5 added the allocator setting of measured CUDA rows: not recorded before it."""
+    frame["allocator"] = None
+    frame["schema_version"] = 5
+    return frame
+
+
 # version -> function taking a frame of that version to the next one.
-MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
+MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
 
 
 def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:

@@ -24,6 +24,7 @@ from harness.profiles import GpuProfile
 from harness.project import project_cell
 from harness.provenance import REPO_ROOT
 from harness.records import Record, ResultsStore
+from harness.twins import KEY, twin_errors
 
 DEFAULT_CELL_TIMEOUT_S = 600.0
 
@@ -120,23 +121,11 @@ def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsS
 def attach_twin_errors(store: ResultsStore) -> None:
     """Give each projected row that has a measured twin (same cell, same device) its relative error."""
     rows = store.rows()
-    key = ("workload", "size", "mode", "technique", "gpu", "batch_size")
-    measured = {tuple(r[k] for k in key): r for r in rows if r["source"] == "measured" and r["status"] == "ok"}
+    measured = {tuple(r[k] for k in KEY): r for r in rows if r["source"] == "measured" and r["status"] == "ok"}
     for row in rows:
-        twin = measured.get(tuple(row[k] for k in key))
+        twin = measured.get(tuple(row[k] for k in KEY))
         if row["source"] != "projected" or row["status"] != "ok" or twin is None:
             continue
-        updated = dict(row, peak_error_vs_measured=_relative_error(row["peak_allocated_bytes"],
-                                                                   twin["peak_allocated_bytes"]),
-                       step_time_error_vs_measured=_relative_error(row["step_time_ms_p50"], twin["step_time_ms_p50"]),
-                       # Only a CUDA twin has a caching allocator to compare the allocator model with.
-                       reserved_error_vs_measured=_relative_error(row["peak_reserved_bytes"],
-                                                                  twin["peak_reserved_bytes"]))
+        updated = dict(row, **twin_errors(row, twin))
         if updated != row:
             store.add(Record(**updated))
-
-
-def _relative_error(projected: float | None, measured: float | None) -> float | None:
-    if projected is None or not measured:
-        return None
-    return projected / measured - 1

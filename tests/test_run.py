@@ -94,6 +94,29 @@ def test_twin_errors_compare_peak_step_time_and_reserved(tmp_path):
     assert rows["q"]["peak_error_vs_measured"] is None and rows["q"]["reserved_error_vs_measured"] is None
 
 
+@pytest.mark.parametrize("setting, projected", [("native", 1260), ("expandable_segments", 1140),
+                                                ("cudaMallocAsync", 1080), (None, 1260)])
+def test_reserved_twin_error_uses_the_allocator_setting_the_twin_ran_under(tmp_path, setting, projected):
+    from harness.records import Record, read_results
+    from harness.run import attach_twin_errors
+    from harness.twins import twin_table
+
+    store = ResultsStore(tmp_path)
+    identity = dict(run_id="r", workload="gpt", size="gpt2-124m", mode="train", technique="baseline",
+                    gpu="h200", batch_size=8, status="ok")
+    store.add(Record(**identity, source="measured", cell_id="m", peak_allocated_bytes=1000,
+                     peak_reserved_bytes=1200, step_time_ms_p50=10.0, allocator=setting))
+    store.add(Record(**identity, source="projected", cell_id="p", peak_allocated_bytes=1100,
+                     peak_reserved_bytes=1260, peak_reserved_expandable_bytes=1140, peak_reserved_async_bytes=1080,
+                     step_time_ms_p50=8.0))
+    attach_twin_errors(store)
+    store.write_frame()
+    expected = projected / 1200 - 1
+    assert {r["cell_id"]: r for r in store.rows()}["p"]["reserved_error_vs_measured"] == pytest.approx(expected)
+    [row] = twin_table(read_results(tmp_path)).to_dict("records")
+    assert row["reserved err"] == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("message, status", [
     ("CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
     ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "oom"),

@@ -28,6 +28,17 @@ class MemoryReading:
     live_at: dict[str, list[int]] = field(default_factory=dict)  # mark name -> live bytes, in order
     peak_in: dict[str, int] = field(default_factory=dict)        # window name -> peak live bytes
     alloc_retries: int | None = None
+    allocator: str | None = None  # the CUDA allocator setting the process ran under
+
+
+def allocator_setting() -> str:
+    """The CUDA allocator setting in force, read from the allocator itself, not the environment:
+    its backend, and whether its segments are expandable (`memory_snapshot`'s `is_expandable`)."""
+    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        return "cudaMallocAsync"
+    if any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot()):
+        return "expandable_segments"
+    return "native"
 
 
 class CpuAllocationProbe:
@@ -143,7 +154,7 @@ class CudaAllocatorProbe:
         reading = MemoryReading(
             peak_allocated=peak,
             peak_reserved=max(stats.get("reserved_bytes.all.peak", 0), self._reserved_before),
-            live_at=self._live, alloc_retries=stats.get("num_alloc_retries"))
+            live_at=self._live, alloc_retries=stats.get("num_alloc_retries"), allocator=allocator_setting())
         if self._forward_peak is not None:
             reading.peak_in["forward"] = self._forward_peak
         return reading

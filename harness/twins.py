@@ -1,0 +1,65 @@
+"""Twins: a projected row and the measured row of the same cell on the same device, and the
+projection's error against it (projected / measured - 1) for peak allocated, peak reserved and
+step time. The reserved figure compared is the one projected for the allocator setting the
+measured process ran under."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+# What makes two rows the same cell on the same device.
+KEY = ("workload", "size", "mode", "technique", "gpu", "batch_size")
+# The projected reserved figure for each allocator setting a measured CUDA row can report.
+RESERVED_COLUMN = {"native": "peak_reserved_bytes", "expandable_segments": "peak_reserved_expandable_bytes",
+                   "cudaMallocAsync": "peak_reserved_async_bytes"}
+
+
+def relative_error(projected: float | None, measured: float | None) -> float | None:
+    if projected is None or pd.isna(projected) or measured is None or pd.isna(measured) or not measured:
+        return None
+    return float(projected) / float(measured) - 1
+
+
+def projected_reserved(projected: dict, measured: dict):
+    """The projected row's reserved bytes under the allocator setting its measured twin ran under."""
+    setting = measured.get("allocator")
+    setting = setting if isinstance(setting, str) else "native"
+    return projected.get(RESERVED_COLUMN.get(setting, "peak_reserved_bytes"))
+
+
+def twin_errors(projected: dict, measured: dict) -> dict[str, float | None]:
+    """The three error columns of a projected row against its measured twin. Only a CUDA twin has
+    a caching allocator to compare the allocator model with (a CPU twin's reserved is unknown)."""
+    return dict(
+        peak_error_vs_measured=relative_error(projected["peak_allocated_bytes"], measured["peak_allocated_bytes"]),
+        reserved_error_vs_measured=relative_error(projected_reserved(projected, measured),
+                                                  measured["peak_reserved_bytes"]),
+        step_time_error_vs_measured=relative_error(projected["step_time_ms_p50"], measured["step_time_ms_p50"]))
+
+
+def twin_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per projected cell that has an ok measured twin: the peaks, the measured step time,
+    the twin's allocator setting and the three errors, from the pair itself (a run cut short never
+    attaches the error columns)."""
+    ok = frame[frame["status"] == "ok"]
+    measured = {tuple(row[k] for k in KEY): row for row in ok[ok["source"] == "measured"].to_dict("records")}
+    rows = []
+    for row in ok[ok["source"] == "projected"].to_dict("records"):
+        twin = measured.get(tuple(row[k] for k in KEY))
+        if twin is None:
+            continue
+        errors = twin_errors(row, twin)
+        rows.append({**{k: row[k] for k in KEY},
+                     "measured_peak_mib": _mib(twin["peak_allocated_bytes"]),
+                     "projected_peak_mib": _mib(row["peak_allocated_bytes"]),
+                     "measured_step_ms": twin["step_time_ms_p50"],
+                     "allocator": twin.get("allocator"),
+                     "peak err": errors["peak_error_vs_measured"],
+                     "reserved err": errors["reserved_error_vs_measured"],
+                     "step time err": errors["step_time_error_vs_measured"]})
+    return pd.DataFrame(rows, columns=[*KEY, "measured_peak_mib", "projected_peak_mib", "measured_step_ms",
+                                       "allocator", "peak err", "reserved err", "step time err"])
+
+
+def _mib(value) -> float | None:
+    return None if value is None or pd.isna(value) else float(value) / 2**20
