@@ -191,10 +191,11 @@ def _output_dtypes(device: str, dtype: torch.dtype) -> dict[str, torch.dtype | s
     torch.set_autocast_enabled(device, True)
     torch.set_autocast_dtype(device, dtype)
     results = {}
+    # Made outside the mode: inside it (torch 2.6) the meta tensor would itself come out fake.
+    w = fake((8, 8))
+    t = fake((4,), torch.long)
     try:
         with mode:
-            w = fake((8, 8))
-            t = fake((4,), torch.long)
             h = (w[:4] @ w)  # the autocast dtype, as a 16-bit activation would be
             for name, op in _OPS.items():
                 try:
@@ -209,7 +210,10 @@ def _output_dtypes(device: str, dtype: torch.dtype) -> dict[str, torch.dtype | s
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_the_policy_gives_the_dtypes_cudas_own_autocast_gives(dtype):
-    cuda = _output_dtypes("cuda", dtype)
+    try:
+        cuda = _output_dtypes("cuda", dtype)
+    except RuntimeError as exc:  # torch 2.6 starts the CUDA runtime for fake CUDA tensors
+        pytest.skip(f"this torch cannot run fake CUDA tensors without a CUDA driver: {str(exc).splitlines()[0]}")
     with cuda_autocast_policy():
         policy = _output_dtypes("cpu", dtype)
     host = _output_dtypes("cpu", dtype)

@@ -46,9 +46,10 @@ def test_fp8_reasons_on_capable_gpus():
 
 @pytest.mark.parametrize("workload_name", ["gpt", "bert"])
 def test_fp8_swaps_linear_layers_for_float8(workload_name):
-    if importlib.util.find_spec("torchao") is None:
-        pytest.skip("torchao is not installed: fp8 uses torchao.float8.convert_to_float8_training")
-    from torchao.float8.float8_linear import Float8Linear
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except Exception as exc:  # not installed, or built for another torch (it then fails in other ways)
+        pytest.skip(f"torchao's float8 does not import here ({type(exc).__name__}): fp8 is then unsupported")
 
     workload = WORKLOADS[workload_name]
     spec = workload.sizes["smoke"]
