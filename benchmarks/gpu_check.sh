@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 7.5 minutes: 3 x 90 s
-# of runs, 2 x 45 s under the other allocator settings, 90 s of tests): measured cells with their
+# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 8 minutes: 3 x 90 s
+# of runs, 2 x 60 s under the other allocator settings, 90 s of tests): measured cells with their
 # projected twins (peak, reserved and step-time errors), then the tests that skip without CUDA (2:4
 # semi-structured kernels, int4 tinygemm, fp8, autocast lists).
 # Here:   bash benchmarks/gpu_vendor.sh
-# Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=540)
+# Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=570)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -31,8 +31,8 @@ done
 for conf in expandable_segments:True backend:cudaMallocAsync; do
   name=${conf//[:]/-}
   step "allocator $conf: gpt train amp-bf16"
-  PYTORCH_CUDA_ALLOC_CONF=$conf timeout 45 python -m harness.cli run --scale standard --workload gpt \
-    --technique amp-bf16 --mode train --steps 10 --repeats 2 --warmup 2 --cell-timeout 40 \
+  PYTORCH_CUDA_ALLOC_CONF=$conf timeout 60 python -m harness.cli run --scale standard --workload gpt \
+    --technique amp-bf16 --mode train --steps 10 --repeats 2 --warmup 2 --cell-timeout 50 \
     --out "$OUT/bench-alloc-$name" > "$OUT/run-alloc-$name.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
 done

@@ -42,10 +42,12 @@ def twin_table(frame: pd.DataFrame) -> pd.DataFrame:
     the twin's allocator setting and the three errors, from the pair itself (a run cut short never
     attaches the error columns)."""
     ok = frame[frame["status"] == "ok"]
-    measured = {tuple(row[k] for k in KEY): row for row in ok[ok["source"] == "measured"].to_dict("records")}
+    # Paired within a run: runs of the same cell under other allocator settings are other twins.
+    pairing = ("run_id", *KEY)
+    measured = {tuple(row[k] for k in pairing): row for row in ok[ok["source"] == "measured"].to_dict("records")}
     rows = []
     for row in ok[ok["source"] == "projected"].to_dict("records"):
-        twin = measured.get(tuple(row[k] for k in KEY))
+        twin = measured.get(tuple(row[k] for k in pairing))
         if twin is None:
             continue
         errors = twin_errors(row, twin)

@@ -117,6 +117,30 @@ def test_reserved_twin_error_uses_the_allocator_setting_the_twin_ran_under(tmp_p
     assert row["reserved err"] == pytest.approx(expected)
 
 
+def test_twin_table_pairs_rows_within_their_run(tmp_path):
+    # The GPU check measures the same cell once per allocator setting, each in its own run.
+    import pandas as pd
+
+    from harness.records import Record, read_results
+    from harness.twins import twin_table
+
+    identity = dict(workload="gpt", size="gpt2-124m", mode="train", technique="amp-bf16", gpu="h200",
+                    batch_size=8, status="ok")
+    frames = []
+    for run, setting, measured in (("a", "native", 1200), ("b", "expandable_segments", 1100),
+                                   ("c", "cudaMallocAsync", 1050)):
+        store = ResultsStore(tmp_path / run)
+        store.add(Record(**identity, run_id=run, source="measured", cell_id="m", peak_allocated_bytes=1000,
+                         peak_reserved_bytes=measured, allocator=setting))
+        store.add(Record(**identity, run_id=run, source="projected", cell_id="p", peak_allocated_bytes=1000,
+                         peak_reserved_bytes=1260, peak_reserved_expandable_bytes=1155, peak_reserved_async_bytes=1000))
+        store.write_frame()
+        frames.append(read_results(tmp_path / run))
+    table = twin_table(pd.concat(frames, ignore_index=True))
+    errors = dict(zip(table["allocator"], table["reserved err"], strict=True))
+    assert errors == pytest.approx({"native": 0.05, "expandable_segments": 0.05, "cudaMallocAsync": 1000 / 1050 - 1})
+
+
 @pytest.mark.parametrize("message, status", [
     ("CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
     ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "oom"),

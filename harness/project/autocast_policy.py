@@ -40,10 +40,10 @@ CUDA_FP32 = (
     "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa", "rms_norm", "linalg_matrix_sqrth",
 )
 # Ops that only some releases have at all: linalg_matrix_sqrth is on 2.14's list and absent from 2.11;
-# the named-tensor overloads below are on 2.11's lists and gone from 2.14.
-VERSION_DEPENDENT_OPS = ("linalg_matrix_sqrth", "prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname",
-                         "cumprod.dimname", "cumsum.dimname", "sum.dim_DimnameList", "norm.names_ScalarOpt_dim",
-                         "norm.names_ScalarOpt_dim_dtype")
+# the named-tensor overloads are on 2.11's lists and gone from 2.14.
+NOT_IN_2_11 = ("linalg_matrix_sqrth",)
+NOT_IN_2_14 = ("prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname", "cumsum.dimname",
+               "sum.dim_DimnameList", "norm.names_ScalarOpt_dim", "norm.names_ScalarOpt_dim_dtype")
 # CUDA fp32_append_dtype policy: norm is called with dtype=fp32 (its dtype overload) instead.
 CUDA_FP32_APPEND_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
                           "norm.names_ScalarOpt_dim": "norm.names_ScalarOpt_dim_dtype"}
