@@ -1,4 +1,5 @@
-"""Sessions: `nox` (lint + tests), `nox -s bench` (this machine), `nox -s bench-<family>` per GPU family.
+"""Sessions: `nox` (lint + tests), `nox -s bench` (this machine), `nox -s bench-<family>` per GPU family,
+`tests_older_torch` (the suite on torch 2.6 and 2.11; not run by default).
 
 The bench-<family> sessions are generated from gpu_profiles/*.toml, so adding a profile with a new
 family adds its session.
@@ -26,6 +27,20 @@ def _install(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The test suite, CPU only."""
+    _install(session)
+    session.run("pytest", *session.posargs)
+
+
+# The oldest torch the code supports (pyproject: torch>=2.6) and the release on the lent GPU machines;
+# each install downloads a CUDA build of torch (about 3.5 GB), so these are not in the default run.
+OLDER_TORCH = {"2.6.0": "0.21.0", "2.11.0": "0.26.0"}
+
+
+@nox.session(python=PYTHON, default=False)
+@nox.parametrize("torch_version", list(OLDER_TORCH))
+def tests_older_torch(session: nox.Session, torch_version: str) -> None:
+    """The test suite on an older torch: `nox -s "tests_older_torch(torch_version='2.11.0')"`."""
+    session.install(f"torch=={torch_version}", f"torchvision=={OLDER_TORCH[torch_version]}")
     _install(session)
     session.run("pytest", *session.posargs)
 
