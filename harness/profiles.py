@@ -76,15 +76,15 @@ class GpuProfile:
         if n == 1:
             return self
 
-        def share(value):
-            return None if value is None else value / n
+        def share(value, whole: bool = False):
+            if value is None:
+                return None
+            return value // n if whole else value / n
 
         return dataclasses.replace(
-            self, devices_per_package=1,
-            memory_bytes=None if self.memory_bytes is None else self.memory_bytes // n,
+            self, devices_per_package=1, memory_bytes=share(self.memory_bytes, whole=True),
             memory_bandwidth_bytes_s=share(self.memory_bandwidth_bytes_s), tdp_w=share(self.tdp_w),
-            sm_count=None if self.sm_count is None else self.sm_count // n,
-            l2_bytes=None if self.l2_bytes is None else self.l2_bytes // n,
+            sm_count=share(self.sm_count, whole=True), l2_bytes=share(self.l2_bytes, whole=True),
             peak_flops={k: v / n for k, v in self.peak_flops.items()},
             sparse_flops={k: v / n for k, v in self.sparse_flops.items()}, usd_per_hour=share(self.usd_per_hour))
 

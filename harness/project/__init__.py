@@ -130,8 +130,9 @@ def traced(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_si
 
 
 def _reserved(trace: StepTrace, workspaces: tuple[int, ...] = ()) -> dict[str, int]:
-    """Peak reserved bytes under each allocator setting, the workspaces allocated before the step (as
-    they are, at the warm-up's first matmul); computed once per trace and set of workspaces."""
+    """Peak reserved bytes under each allocator setting, the workspaces allocated first (a real
+    process allocates them at the warm-up's first matmuls, after the parameters: at most one 20 MiB
+    segment's difference); computed once per trace and set of workspaces."""
     if workspaces not in trace.reserved:
         trace.reserved[workspaces] = _replayed(_allocs_of(workspaces) + trace.events)
     return trace.reserved[workspaces]

@@ -248,18 +248,18 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             # (without it, the model's native reserved peak moves by -5% to +16% on the suite's models).
             tracker = _RecordingMemTracker(rounding)
             tracker.track_external(run.model, batch)
-            forwards = []
 
-            def warmup_mark(name: str) -> None:
-                if name == "forward_start" and forwards:
-                    tracker.reset_mod_stats()  # accumulation: another forward within the step
-                forwards.extend([name] if name == "forward_start" else [])
+            def between_forwards(name: str) -> None:
+                if name == "forward_start":
+                    # MemTracker keeps per-module stats for one call of each module, and accumulation
+                    # (like the step after the warm-up) calls the model again: clear them (its
+                    # categories and our log carry on).
+                    tracker.reset_mod_stats()
 
             with tracker:
-                step(batch, mark=warmup_mark)
+                step(batch, mark=between_forwards)
             if step.optimizer:
                 tracker.track_external(step.optimizer)  # its state, created above, is now categorised
-            tracker.reset_mod_stats()  # MemTracker keeps per-module stats for one call
             baseline = tracker.total
             marks: dict[str, dict[str, int]] = {}
 
@@ -269,10 +269,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
 
             def mark(name: str) -> None:
                 costs.phase = tracker.phase = phase_after.get(name, costs.phase)
-                if name == "forward_start" and name in marks:
-                    # Accumulation runs the model again within the step; MemTracker keeps per-module
-                    # stats for one call, so clear them (its categories and our log carry on).
-                    tracker.reset_mod_stats()
+                between_forwards(name)
                 marks.setdefault(name, dict(tracker.by_category(), total=tracker.total))
 
             tracker.peak = tracker.total
