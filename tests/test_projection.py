@@ -13,7 +13,16 @@ from harness.cell import MeasureSettings, measure_cell
 from harness.cli import main
 from harness.plan import Cell
 from harness.profiles import load_profiles
-from harness.project import _reserved, _workspaces_for, library_workspaces, max_batch, project, project_cell, traced
+from harness.project import (
+    _reserved,
+    _with_workspaces,
+    _workspaces_for,
+    library_workspaces,
+    max_batch,
+    project,
+    project_cell,
+    traced,
+)
 from harness.project.roofline import estimate
 from suites.techniques import parse_stack
 from suites.workloads import WORKLOADS
@@ -96,6 +105,24 @@ def test_blas_workspaces_are_inside_the_allocators_figures():
     assert h100.workspaces == sum(library_workspaces(PROFILES["h100-sxm"], "train"))
     assert h100.reserved["native"] >= h100.peak_allocated
     assert h100.overhead == 512 * MiB  # the context alone, outside the allocator
+
+
+def test_each_threads_workspaces_are_allocated_after_its_first_matmul():
+    # A cuBLAS handle takes its workspace at its thread's first matmul, after that matmul's output:
+    # the warm-up's forward (the fused q/k/v projection of the first block), then autograd's thread.
+    workload = WORKLOADS["gpt"]
+    spec = workload.sizes["smoke"]
+    trace = traced(workload, spec, parse_stack("baseline"), "train", 4, PROFILES["a100-sxm4-80gb"])
+    forward_at, backward_at = trace.first_matmul_at
+    n_embd = spec.config["n_embd"]
+    qkv_output = 4 * spec.seq_len * 3 * n_embd * 4  # batch x tokens x 3d, fp32
+    assert trace.events[forward_at - 1][0::2] == ("alloc", qkv_output)
+    parameters = len(list(workload.build(spec).parameters()))
+    assert parameters < forward_at < backward_at
+    events = _with_workspaces(trace, (10 * MiB, 20 * MiB))
+    assert events[forward_at] == ("alloc", -1, 10 * MiB)
+    assert events[backward_at + 1] == ("alloc", -2, 20 * MiB)
+    assert [e for e in events if e[1] >= 0] == trace.events
 
 
 def test_fit_is_judged_against_the_memory_the_driver_reports():

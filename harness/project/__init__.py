@@ -130,11 +130,10 @@ def traced(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_si
 
 
 def _reserved(trace: StepTrace, workspaces: tuple[int, ...] = ()) -> dict[str, int]:
-    """Peak reserved bytes under each allocator setting, the workspaces allocated first (a real
-    process allocates them at the warm-up's first matmuls, after the parameters: at most one 20 MiB
-    segment's difference); computed once per trace and set of workspaces."""
+    """Peak reserved bytes under each allocator setting, with the workspaces where a real process
+    allocates them; computed once per trace and set of workspaces."""
     if workspaces not in trace.reserved:
-        trace.reserved[workspaces] = _replayed(_allocs_of(workspaces) + trace.events)
+        trace.reserved[workspaces] = _replayed(_with_workspaces(trace, workspaces))
     return trace.reserved[workspaces]
 
 
@@ -145,6 +144,22 @@ def _replayed(events) -> dict[str, int]:
 def _allocs_of(workspaces: tuple[int, ...]) -> list[tuple[str, int, int]]:
     """Allocation events for the workspaces (negative ids: they never clash with the trace's)."""
     return [("alloc", -1 - i, size) for i, size in enumerate(workspaces)]
+
+
+def _with_workspaces(trace: StepTrace, workspaces: tuple[int, ...]) -> list[tuple[str, int, int]]:
+    """The trace's log with each thread's share of `workspaces` (library_workspaces: the forward
+    thread's set, then autograd's) allocated right after that thread's first matmul, as a cuBLAS
+    handle takes them; at the start of the log where the trace saw no matmul."""
+    events = list(trace.events)
+    positions = trace.first_matmul_at
+    if not positions or len(workspaces) % len(positions):
+        positions = (0,)
+    allocs = _allocs_of(workspaces)
+    share = len(allocs) // len(positions)
+    for thread in reversed(range(len(positions))):  # from the back: earlier positions stay valid
+        at = positions[thread]
+        events[at:at] = allocs[thread * share:(thread + 1) * share]
+    return events
 
 
 def _workspaces_for(trace: StepTrace, profile, mode: str) -> tuple[int, ...]:

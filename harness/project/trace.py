@@ -65,10 +65,14 @@ class StepTrace:
     baseline_bytes: int = 0  # live before the tracked step (params, optimizer state, batch)
     precision: str = "fp32"
     notes: list[str] = field(default_factory=list)
-    # library workspaces allocated first -> allocator setting -> peak reserved, filled by the allocator model
+    # library workspaces -> allocator setting -> peak reserved, filled by the allocator model
     reserved: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict)
     phase_peaks: dict[str, int] = field(default_factory=dict)  # step phase -> its peak (bytes)
     phase_at_peak: dict[str, dict[str, int]] = field(default_factory=dict)  # ... and the breakdown there
+    # Where in `events` each thread that runs matmuls ran its first one (the warm-up's forward, then in
+    # training its backward, which CUDA runs on autograd's device thread): a cuBLAS handle takes its
+    # workspace from the caching allocator there, after that matmul's output.
+    first_matmul_at: tuple[int, ...] = ()
 
     @property
     def flops(self) -> float:
@@ -157,6 +161,23 @@ def op_class(name: str) -> str:
 
 
 _NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+
+
+class _FirstMatmuls(TorchDispatchMode):
+    """Notes the allocation log's length after the first matmul of each thread that runs them: the
+    forward's, and in training the backward's (`thread` is switched at the step's marks)."""
+
+    def __init__(self, events: list) -> None:
+        super().__init__()
+        self.events = events
+        self.thread = "forward"
+        self.at: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.thread not in self.at and op_class(str(func._overloadpacket)) == "matmul":
+            self.at[self.thread] = len(self.events)
+        return out
 
 
 class _OpCostMode(TorchDispatchMode):
@@ -248,6 +269,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             # (without it, the model's native reserved peak moves by -5% to +16% on the suite's models).
             tracker = _RecordingMemTracker(rounding)
             tracker.track_external(run.model, batch)
+            first_matmuls = _FirstMatmuls(tracker.events)
 
             def between_forwards(name: str) -> None:
                 if name == "forward_start":
@@ -256,8 +278,13 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
                     # categories and our log carry on).
                     tracker.reset_mod_stats()
 
-            with tracker:
-                step(batch, mark=between_forwards)
+            def warm_up_mark(name: str) -> None:
+                between_forwards(name)
+                first_matmuls.thread = {"forward_start": "forward", "forward_end": "backward"}.get(
+                    name, first_matmuls.thread)
+
+            with tracker, first_matmuls:
+                step(batch, mark=warm_up_mark)
             if step.optimizer:
                 tracker.track_external(step.optimizer)  # its state, created above, is now categorised
             baseline = tracker.total
@@ -285,7 +312,8 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         grads_bytes=end.get("grads", 0) if run.mode == "train" else 0,
         optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
         costs=dict(costs.costs), baseline_bytes=baseline, precision=run.precision, notes=notes + run.notes,
-        phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak)
+        phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
+        first_matmul_at=tuple(first_matmuls.at.values()))
 
 
 def with_depth(spec, layers: int):
