@@ -47,6 +47,22 @@ class MeasureSettings:
     noise_threshold: float = DEFAULT_NOISE_THRESHOLD
 
 
+class RestartWithEnvironment(Exception):
+    """The stack sets environment variables this process did not start with.
+
+    Allocator settings are read before any technique runs: the backend (`cudaMallocAsync`) when the
+    CUDA library loads with `import torch`, the rest when the device starts (c10/cuda's
+    CUDAAllocatorConfig). So the cell's process starts again with them (`main`)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        super().__init__(f"restart with {env}")
+        self.env = env
+
+
+# Set in a cell process that restarted with its stack's environment: a second restart would loop.
+RESTARTED = "HEADROOM_CELL_RESTARTED"
+
+
 def base_record(cell: Cell, run_id: str, source: str, status: str, reason: str = "", **values) -> Record:
     """A row with the cell's identity and provenance filled in."""
     workload = get_workload(cell.workload)
@@ -92,8 +108,9 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
             stack.apply(run)
         except Unsupported as exc:
             return base_record(cell, run_id, "measured", "unsupported", str(exc), device_name=profile.name)
-        # Allocator settings and other environment must be in place before the device starts.
-        os.environ.update(run.env)
+        unset = {name: value for name, value in run.env.items() if os.environ.get(name) != value}
+        if unset:
+            raise RestartWithEnvironment(unset)
         run.model = run.model.to(device)
         step = Step(run, device)
         batch = {k: v.to(device) for k, v in workload.batch(spec, cell.batch_size, generator).items()}
@@ -163,6 +180,13 @@ def main(argv: list[str]) -> int:
         profiles = load_profiles(spec.get("profiles_dir"))
         settings = MeasureSettings(**spec["settings"])
         record = measure_cell(cell, profiles[cell.gpu], spec["run_id"], settings)
+    except RestartWithEnvironment as restart:
+        if os.environ.get(RESTARTED):
+            record = base_record(cell, spec["run_id"], "measured", "error",
+                                 f"the stack's environment {restart.env} did not hold after a restart")
+        else:
+            # The same command line (`sys.orig_argv`: tests run other entry modules) in a fresh image.
+            os.execve(sys.executable, sys.orig_argv, {**os.environ, **restart.env, RESTARTED: "1"})
     except BaseException as exc:  # the row must say what happened, whatever it was
         detail = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[0][:500]
         record = base_record(cell, spec["run_id"], "measured", failure_status(exc), detail)

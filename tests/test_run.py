@@ -7,7 +7,7 @@ import pytest
 from harness.plan import Cell
 from harness.profiles import load_profiles
 from harness.records import ResultsStore
-from harness.run import RunOptions, run_plan
+from harness.run import RunOptions, run_isolated, run_plan
 
 PROFILES = load_profiles()
 
@@ -70,6 +70,30 @@ def test_unsupported_cells_are_rows_without_a_process(tmp_path):
     # Started, this cell's process would exit with code 3 (an `error` row): unsupported cells start none.
     [record] = run_plan([cell], PROFILES, store, RunOptions(run_id="t", cell_entry="tests.faulty_cell"))
     assert record.status == "unsupported" and "training" in record.reason
+
+
+def _env_cell() -> Cell:
+    # `test-env` is registered only in the cell's process, by its entry module (tests/env_cell.py).
+    return Cell(workload="gpt", size="smoke", mode="infer", technique="test-env", gpu="cpu", batch_size=2)
+
+
+def test_a_stack_that_sets_the_environment_restarts_its_cell_with_it(monkeypatch):
+    # Allocator settings must be in the environment before `import torch`; the entry module notes what
+    # it saw at the very start of the process that measured the cell.
+    monkeypatch.delenv("HEADROOM_TEST_ALLOC_SETTING", raising=False)
+    record = run_isolated(_env_cell(), RunOptions(run_id="t", cell_timeout_s=120, cell_entry="tests.env_cell"))
+    assert record.status == "ok", record.reason
+    assert "HEADROOM_TEST_ALLOC_SETTING at process start: on" in record.notes
+
+
+def test_a_cell_restarts_for_its_environment_at_most_once(monkeypatch):
+    from harness.cell import RESTARTED
+
+    monkeypatch.delenv("HEADROOM_TEST_ALLOC_SETTING", raising=False)
+    monkeypatch.setenv(RESTARTED, "1")  # as if this were the restarted process, still without the setting
+    record = run_isolated(_env_cell(), RunOptions(run_id="t", cell_timeout_s=120, cell_entry="tests.env_cell"))
+    assert record.status == "error"
+    assert "did not hold after a restart" in record.reason
 
 
 def test_twin_errors_compare_peak_step_time_and_reserved(tmp_path):
