@@ -26,7 +26,7 @@ from harness.profiles import (
 EXPECTED_FAMILIES = {
     "t4": "t4", "a10": "a10", "l4": "l4",
     "a100-pcie-40gb": "a100", "a100-sxm4-40gb": "a100", "a100-pcie-80gb": "a100", "a100-sxm4-80gb": "a100",
-    "h100-pcie": "h100", "h100-sxm": "h100", "h200": "h200", "l40s": "l40s", "b200": "b200",
+    "h100-pcie": "h100", "h100-sxm": "h100", "h100-nvl": "h100", "h200": "h200", "l40s": "l40s", "b200": "b200",
     "mi250x": "mi250x", "mi300x": "mi300x", "cpu": "cpu",
 }
 # Top-level fields that are datasheet figures and so must cite a source when present (from the module docs:
@@ -86,7 +86,7 @@ def test_resolve_family_and_ids(profiles):
     a100 = resolve_gpus(["a100"], profiles)
     assert sorted(p.id for p in a100) == ["a100-pcie-40gb", "a100-pcie-80gb", "a100-sxm4-40gb", "a100-sxm4-80gb"]
     assert [p.id for p in resolve_gpus(["h100-sxm"], profiles)] == ["h100-sxm"]
-    assert {p.id for p in resolve_gpus(["h100"], profiles)} == {"h100-pcie", "h100-sxm"}
+    assert {p.id for p in resolve_gpus(["h100"], profiles)} == {"h100-pcie", "h100-sxm", "h100-nvl"}
     # Order kept, duplicates dropped.
     mixed = resolve_gpus(["t4", "a100", "a100-sxm4-80gb", "t4"], profiles)
     assert [p.id for p in mixed][0] == "t4"
@@ -135,6 +135,10 @@ SPOT_CHECKS = [
     ("h100-pcie", "peak:bf16", 756e12),
     ("h100-pcie", "sm_count", 114),
     ("h100-pcie", "memory_bandwidth_bytes_s", 2000e9),
+    ("h100-nvl", "peak:bf16", 835.5e12),
+    ("h100-nvl", "peak:fp8", 1671e12),
+    ("h100-nvl", "memory_bandwidth_bytes_s", 3900e9),
+    ("h100-nvl", "memory_bytes", 94 * 2**30),
     ("h200", "peak:bf16", 989.4e12),
     ("h200", "memory_bandwidth_bytes_s", 4800e9),
     ("h200", "memory_bytes", 141 * 2**30),
