@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--max-batch", action="store_true", help="solve for the largest batch that fits")
     project.add_argument("--seq-len", type=int, default=None, help="tokens per sample (language models)")
     project.add_argument("--largest-model", action="store_true",
-                         help="instead: the largest size of --workload that fits --gpu at batch 1")
+                         help="instead: the largest size of --workload that fits --gpu at its smallest batch")
     project.add_argument("--format", choices=("table", "json"), default="table")
 
     report = sub.add_parser("report", help="merge results files into one HTML report")
@@ -205,8 +205,8 @@ def cmd_project(args) -> int:
 
     from harness.plan import MODES, Cell
     from harness.profiles import unknown_name
-    from harness.project import largest_model, max_batch, project_cell, smallest_batch
-    from suites.techniques import parse_stack
+    from harness.project import MAX_BATCH_LIMIT, largest_model, max_batch, project_cell, smallest_batch
+    from suites.techniques import Unsupported, parse_stack
     from suites.workloads import get_workload
 
     profiles = _profiles(args)
@@ -218,11 +218,18 @@ def cmd_project(args) -> int:
     workload = get_workload(args.workload)
     stack = parse_stack(args.technique)
     if args.largest_model:
-        best = largest_model(profile, stack, args.mode, workload.name)
-        answer = {"gpu": profile.id, "workload": workload.name, "technique": stack.name, "mode": args.mode,
-                  "largest_size_that_fits": best}
-        print(json.dumps(answer) if args.format == "json" else
-              f"{profile.id}: largest {workload.name} that fits ({stack.name}, {args.mode}, batch 1): {best or 'none'}")
+        ignored = [flag for flag, value in (("--size", args.size), ("--batch-size", args.batch_size),
+                                            ("--max-batch", args.max_batch), ("--seq-len", args.seq_len)) if value]
+        if ignored:
+            raise UsageError(f"--largest-model searches every size of {workload.name} at its smallest batch: "
+                             f"drop {', '.join(ignored)}")
+        answer = largest_model(profile, stack, args.mode, workload.name)
+        result = {"gpu": profile.id, "workload": workload.name, "technique": stack.name, "mode": args.mode,
+                  "largest_size_that_fits": answer.size, "batch_size": answer.batch_size,
+                  "reason": answer.reason}
+        print(json.dumps(result) if args.format == "json" else
+              f"{profile.id}: largest {workload.name} that fits ({stack.name}, {args.mode}, "
+              f"batch {answer.batch_size}): {answer.size or 'none'}" + (f" ({answer.reason})" if answer.reason else ""))
         return 0
     spec = workload.size(args.size) if args.size else next(iter(workload.sizes_at("standard")))
     if args.seq_len is not None:
@@ -232,25 +239,32 @@ def cmd_project(args) -> int:
         if args.seq_len < 1 or (limit and args.seq_len > limit):
             raise UsageError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {args.seq_len}")
         spec = dataclasses.replace(spec, seq_len=args.seq_len)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch-size must be a positive integer, got {args.batch_size}")
     step = smallest_batch(stack)
+    notes = []
+    batch_size = spec.batch_size if args.batch_size is None else args.batch_size
     if args.max_batch:
-        batch_size = max_batch(workload, spec, stack, args.mode, profile, step=step)
-        if batch_size == 0:
-            batch_size = step  # report the smallest batch, which then shows as oom with its numbers
-    else:
-        batch_size = args.batch_size or spec.batch_size
-    if batch_size < 1:
-        raise UsageError(f"--batch-size must be a positive integer, got {batch_size}")
+        if profile.vendor == "cpu" or profile.capacity_bytes is None:
+            raise UsageError(f"--max-batch needs a profile with a memory size to fit in; {profile.id} has none "
+                             "(the host's memory is not modelled): pick a GPU profile")
+        if not stack.check(profile, workload, args.mode):  # an unsupported stack is reported as such below
+            try:
+                batch_size = max_batch(workload, spec, stack, args.mode, profile, step=step) or step
+            except Unsupported:
+                pass  # raised by the stack at this size: project_cell reports it
+            if batch_size >= MAX_BATCH_LIMIT:
+                notes.append(f"--max-batch stopped at its search limit {MAX_BATCH_LIMIT}: a larger batch may fit")
     cell = Cell(workload.name, spec.name, args.mode, stack.name, profile.id, batch_size)
     record = project_cell(cell, profile, run_id="project", spec=spec)
     row = record.to_dict()
+    row["notes"] = "; ".join(filter(None, [row.get("notes"), *notes]))
     if args.format == "json":
         print(json.dumps(row))
     else:
         width = max(map(len, row))
         for key, value in row.items():
-            if value not in (None, ""):
-                print(f"{key:{width}}  {value}")
+            print(f"{key:{width}}  {'-' if value in (None, '') else value}")
     return 0
 
 

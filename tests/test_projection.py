@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -14,6 +15,7 @@ from harness.cli import main
 from harness.plan import Cell
 from harness.profiles import load_profiles
 from harness.project import (
+    MAX_BATCH_LIMIT,
     _reserved,
     _with_workspaces,
     _workspaces_for,
@@ -156,11 +158,20 @@ def test_gpt3_175b_training_does_not_fit_one_gpu_and_says_by_how_much():
     cell = Cell("gpt", "gpt3-175b", "train", "amp-bf16", "h100-sxm", 1, source="projected")
     record = project_cell(cell, PROFILES["h100-sxm"], "t")
     assert record.status == "oom" and record.fits is False
-    assert "GiB reserved" in record.reason and "GiB on h100-sxm" in record.reason
+    assert "MiB reserved" in record.reason and "MiB on h100-sxm" in record.reason
     # Parameters in fp32 (4 B) plus AdamW's two moments (8 B) for ~175e9 parameters (C3's order).
     assert 0.68e12 < record.params_bytes < 0.72e12
     assert 1.36e12 < record.optimizer_bytes < 1.44e12
-    assert record.source == "projected" and record.step_time_ms_p50 > 0 and 0 < record.mfu < 1
+    # A cell that cannot run has memory figures but no speed or cost, like a measured oom row.
+    assert record.source == "projected" and record.step_time_ms_p50 is None and record.mfu is None
+    assert record.usd_per_million_tokens is None
+
+
+def test_an_oom_reason_states_its_figures_without_rounding_them_into_a_contradiction():
+    cell = Cell("resnet50", "resnet50", "train", "baseline", "l4", 225, source="projected")
+    record = project_cell(cell, PROFILES["l4"], "t")
+    needed, context, capacity = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) MiB", record.reason))
+    assert record.status == "oom" and needed + context > capacity
 
 
 def test_bf16_is_unsupported_on_a_t4_projection():
@@ -198,6 +209,53 @@ def test_project_command_largest_model(capsys):
         answers[gpu] = json.loads(capsys.readouterr().out)["largest_size_that_fits"]
     assert answers["h200"] in ("gpt2-1.3b", "gpt-7b")
     assert answers["t4"] in ("gpt2-124m", "gpt2-350m")
+
+
+def test_largest_model_says_why_there_is_none_and_at_which_batch(capsys):
+    assert main(["project", "--gpu", "t4", "--technique", "amp-bf16", "--largest-model"]) == 0
+    out = capsys.readouterr().out
+    assert "none (unsupported:" in out and "bf16" in out
+    # Accumulation needs one sample per micro-batch; BatchNorm in training two samples.
+    assert main(["project", "--gpu", "t4", "--technique", "grad-accumulation", "--largest-model", "--format",
+                 "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["batch_size"] == 4
+    assert main(["project", "--gpu", "t4", "--workload", "resnet50", "--largest-model", "--format", "json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["batch_size"] == 2 and answer["largest_size_that_fits"] == "resnet50"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--largest-model", "--size", "smoke"], "drop --size"),
+    (["--largest-model", "--seq-len", "128"], "drop --seq-len"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["--gpu", "cpu", "--max-batch"], "--max-batch needs a profile with a memory size"),
+])
+def test_project_refuses_flags_it_would_ignore_or_cannot_honour(argv, message, capsys):
+    argv = ["project", *(["--gpu", "t4"] if "--gpu" not in argv else []), *argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_max_batch_of_an_unsupported_stack_is_an_unsupported_row_without_a_search(capsys):
+    assert main(["project", "--gpu", "t4", "--size", "gpt2-124m", "--technique", "amp-bf16", "--max-batch",
+                 "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["status"] == "unsupported" and record["batch_size"] == 8  # the size's own batch
+
+
+def test_max_batch_says_when_it_stopped_at_its_search_limit(capsys):
+    assert main(["project", "--gpu", "h200", "--size", "smoke", "--mode", "infer", "--max-batch",
+                 "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["batch_size"] == MAX_BATCH_LIMIT and "search limit" in record["notes"]
+
+
+def test_the_table_shows_every_column_of_the_record(capsys):
+    assert main(["project", "--gpu", "t4", "--size", "smoke"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert main(["project", "--gpu", "t4", "--size", "smoke", "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert [line.split()[0] for line in table] == list(record)
 
 
 def test_bench_family_without_that_gpu_projects_and_says_so(tmp_path, capsys):

@@ -251,8 +251,12 @@ def fits_at(workload, spec, stack, mode, batch_size, profile) -> bool:
     return bool(project(workload, spec, stack, mode, batch_size, profile).memory.fits)
 
 
+# --max-batch searches up to this batch (an inference cell of a small model can fit far more).
+MAX_BATCH_LIMIT = 1 << 16
+
+
 def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile, step: int = 1,
-              limit: int = 1 << 16) -> int:
+              limit: int = MAX_BATCH_LIMIT) -> int:
     """The largest batch (a multiple of `step`) whose projected memory fits `profile`, 0 if none.
 
     Memory is affine in the batch for fixed shapes: two projections give the slope, the solution is
@@ -260,8 +264,8 @@ def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profi
     rounding makes it miss.
     """
     profile = profile.per_device()
-    if profile.capacity_bytes is None:
-        raise ValueError(f"profile {profile.id} has no memory size: cannot solve for the largest batch")
+    if profile.vendor == "cpu" or profile.capacity_bytes is None:
+        raise ValueError(f"profile {profile.id} has no memory size to fit in: cannot solve for the largest batch")
     first = project(workload, spec, stack, mode, step, profile).memory
     if not first.fits:
         return 0
@@ -290,23 +294,41 @@ def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profi
     return low
 
 
-def smallest_batch(stack: Stack) -> int:
-    """The smallest batch the stack can take: accumulation splits it into equal micro-batches."""
-    return DEFAULT_MICRO_BATCHES if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
+def smallest_batch(stack: Stack, workload: Workload | None = None, mode: str = "train") -> int:
+    """The smallest batch the stack can take: accumulation splits it into equal micro-batches, and
+    BatchNorm in training needs more than one value per channel (two samples at least)."""
+    batch = DEFAULT_MICRO_BATCHES if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
+    if workload is not None and workload.kind == "vision" and mode == "train":
+        batch = max(batch, 2)
+    return batch
 
 
-def largest_model(profile, stack: Stack, mode: str = "train", workload_name: str = "gpt") -> str | None:
-    """The largest size of `workload_name` that fits `profile` at its smallest batch under `stack`, or None."""
+@dataclass(frozen=True)
+class LargestModel:
+    """The answer of `largest_model`: a size id or None, the batch it was judged at, and why none."""
+
+    size: str | None
+    batch_size: int
+    reason: str = ""
+
+
+def largest_model(profile, stack: Stack, mode: str = "train", workload_name: str = "gpt") -> LargestModel:
+    """The largest size of `workload_name` that fits `profile` at its smallest batch under `stack`."""
     workload = get_workload(workload_name)
-    if stack.check(profile, workload, mode):
-        return None
-    batch = smallest_batch(stack)
+    batch = smallest_batch(stack, workload, mode)
+    unsupported = stack.check(profile, workload, mode)
+    if unsupported:
+        return LargestModel(None, batch, f"unsupported: {unsupported}")
     best = None
     for spec in sorted(workload.sizes.values(), key=lambda s: _param_estimate(workload, s)):
-        if not fits_at(workload, dataclasses.replace(spec, batch_size=batch), stack, mode, batch, profile):
-            break
+        try:
+            fits = fits_at(workload, dataclasses.replace(spec, batch_size=batch), stack, mode, batch, profile)
+        except Unsupported as exc:
+            return LargestModel(best, batch, f"{spec.name} unsupported: {exc}")
+        if not fits:
+            return LargestModel(best, batch, "" if best else f"even {spec.name} does not fit")
         best = spec.name
-    return best
+    return LargestModel(best, batch)
 
 
 def _param_estimate(workload: Workload, spec: SizeSpec) -> int:
@@ -340,6 +362,10 @@ def projected_fields(projection: Projection, workload: Workload, spec: SizeSpec,
         device_name=profile.name, notes="; ".join(memory.notes))
 
 
+SPEED_FIELDS = ("step_time_ms_p50", "throughput_samples_s", "tokens_per_s", "mfu", "usd_per_million_samples",
+                "usd_per_million_tokens")
+
+
 def project_cell(cell, profile, run_id: str, spec: SizeSpec | None = None) -> Record:
     """The projected row of `cell` on `profile`: ok, oom (does not fit, with the numbers), unsupported
     or error; never raises for a problem of the cell itself."""
@@ -364,6 +390,8 @@ def project_cell(cell, profile, run_id: str, spec: SizeSpec | None = None) -> Re
     status, reason = "ok", ""
     if memory.fits is False:
         status = "oom"
-        reason = (f"needs {memory.reserved['native'] / 2**30:.1f} GiB reserved + {memory.overhead / 2**30:.1f} GiB "
-                  f"CUDA context > {memory.capacity / 2**30:.1f} GiB on {profile.id}")
+        reason = (f"needs {memory.reserved['native'] / MiB:,.0f} MiB reserved + {memory.overhead / MiB:,.0f} MiB "
+                  f"CUDA context > {memory.capacity / MiB:,.0f} MiB on {profile.id}")
+        # A cell that cannot run has no speed or cost, as a measured oom row has none.
+        fields.update(dict.fromkeys(SPEED_FIELDS))
     return base_record(cell, run_id, "projected", status, reason, seq_len=spec.seq_len, **fields)
