@@ -23,6 +23,7 @@ from harness.measure.memory import probe_for
 from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from harness.measure.timing import time_steps
 from harness.metrics import speed_and_cost
+from harness.model_flops import model_flops_per_sample
 from harness.plan import Cell
 from harness.profiles import GpuProfile, load_profiles
 from harness.provenance import git_sha, nvml_info
@@ -143,8 +144,7 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
         activations = None
 
     throughput = timing.throughput(cell.batch_size)
-    flops_per_sample = (workload.train_flops_per_sample(spec) if cell.mode == "train"
-                        else workload.forward_flops_per_sample(spec))
+    flops_per_sample = model_flops_per_sample(workload, spec, stack, cell.mode, profile)
     derived = speed_and_cost(profile, run.precision, flops_per_sample, throughput, spec.seq_len,
                              convolutional=workload.kind == "vision")
     # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.

@@ -1,15 +1,15 @@
 """Derived speed and cost figures, shared by measured and projected rows so both use one definition.
 
-MFU is model FLOPs (the workload's analytic count, without recomputation) per second over the
-dense peak of the precision actually used; cost is the profile's hourly price over throughput.
-Unknown inputs give None, never 0.
+MFU is model FLOPs (harness/model_flops.py: the workload's analytic count for the model as built,
+without recomputation) per second over the dense peak of the precision actually used; cost is the
+profile's hourly price over throughput. Unknown inputs give None, never 0.
 """
 
 from __future__ import annotations
 
 # Precision label -> the dtype whose dense peak MFU is computed against (reference/gpu_specs.md:
 # MFU is always against the dense peak of the precision actually used).
-PEAK_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8-mixed": "fp8"}
+PEAK_DTYPE = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8-mixed": "fp8", "int8": "int8"}
 
 
 def speed_and_cost(profile, precision: str, flops_per_sample: float, throughput: float | None,

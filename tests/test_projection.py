@@ -26,7 +26,7 @@ from harness.project import (
     traced,
 )
 from harness.project.roofline import estimate
-from suites.techniques import parse_stack
+from suites.techniques import TECHNIQUES, parse_stack
 from suites.workloads import WORKLOADS
 
 PROFILES = load_profiles()
@@ -277,8 +277,9 @@ def test_bench_family_without_that_gpu_projects_and_says_so(tmp_path, capsys):
 @pytest.mark.parametrize("mode", ["train", "infer"])
 def test_projected_utilisation_is_physical(mode):
     """MFU can never exceed 1: the roofline's compute time is at least FLOPs / peak of the dtype used.
-    Catches FLOPs the trace fails to see (composite ops under inference_mode) and peak mix-ups."""
-    a100 = PROFILES["a100-sxm4-80gb"]
+    Catches FLOPs the trace fails to see (composite ops under inference_mode, int8 GEMMs, sparse
+    products), model FLOPs that ignore a smaller architecture, and peak mix-ups."""
+    a100, h100 = PROFILES["a100-sxm4-80gb"], PROFILES["h100-sxm"]
     for workload_name, size in (("gpt", "gpt2-124m"), ("bert", "bert-base"), ("resnet50", "resnet50")):
         for stack in ("baseline", "amp-bf16"):
             spec = WORKLOADS[workload_name].sizes[size]
@@ -286,3 +287,8 @@ def test_projected_utilisation_is_physical(mode):
             record = project_cell(cell, a100, "t")
             assert record.status == "ok", record.reason
             assert 0.05 < record.mfu <= 1, f"{workload_name} {stack} {mode}: MFU {record.mfu}"
+    spec = WORKLOADS["gpt"].sizes["gpt2-124m"]
+    for technique in ["baseline", *TECHNIQUES]:
+        cell = Cell("gpt", "gpt2-124m", mode, technique, h100.id, spec.batch_size, source="projected")
+        record = project_cell(cell, h100, "t")
+        assert record.mfu is None or 0 < record.mfu <= 1, f"gpt {technique} {mode}: MFU {record.mfu}"

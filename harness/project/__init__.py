@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.metrics import speed_and_cost
+from harness.model_flops import model_flops_per_sample
 from harness.project.allocator import SETTINGS, replay
 from harness.project.roofline import TimeEstimate, estimate
 from harness.project.trace import OpCost, StepTrace, trace_step, with_depth
@@ -217,7 +218,9 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
         temporaries=trace.at_peak.get("temporaries", 0), workspaces=sum(workspaces),
         overhead=device_overhead(profile), capacity=profile.capacity_bytes if profile.vendor != "cpu" else None,
         extrapolated_from=extrapolated, notes=notes)
-    return Projection(memory, estimate(trace, profile), trace)
+    if trace.untraced:
+        notes.append(f"no step time: the trace cannot see {', '.join(trace.untraced)}")
+    return Projection(memory, None if trace.untraced else estimate(trace, profile), trace)
 
 
 def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: int) -> StepTrace:
@@ -244,6 +247,7 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         activations_bytes=round(lin(a.activations_bytes, b.activations_bytes)), events=[],
         costs={key: cost(key) for key in b.costs}, precision=b.precision,
         notes=b.notes + [f"extrapolated from traces at {low} and {high} layers to {depth}"],
+        untraced=b.untraced,
         phase_peaks={p: round(v) for p, v in peaks.items() if p})
 
 
@@ -338,12 +342,11 @@ def _param_estimate(workload: Workload, spec: SizeSpec) -> int:
         return count_parameters(workload.build(spec))
 
 
-def projected_fields(projection: Projection, workload: Workload, spec: SizeSpec, mode: str, batch_size: int,
-                     profile, precision: str) -> dict:
+def projected_fields(projection: Projection, workload: Workload, spec: SizeSpec, stack: Stack, mode: str,
+                     batch_size: int, profile, precision: str) -> dict:
     """The Record fields a projection fills (status is decided by the caller)."""
     memory, time = projection.memory, projection.time
-    flops_per_sample = (workload.train_flops_per_sample(spec) if mode == "train"
-                        else workload.forward_flops_per_sample(spec))
+    flops_per_sample = model_flops_per_sample(workload, spec, stack, mode, profile)
     throughput = batch_size / time.step_s if time else None
     return dict(
         precision=precision, peak_allocated_bytes=memory.peak_allocated,
@@ -384,7 +387,7 @@ def project_cell(cell, profile, run_id: str, spec: SizeSpec | None = None) -> Re
     except Exception as exc:  # a projection bug must become a row, not end the run
         return base_record(cell, run_id, "projected", "error", f"projection failed: {type(exc).__name__}: {exc}",
                            device_name=profile.name)
-    fields = projected_fields(projection, workload, spec, cell.mode, cell.batch_size, profile,
+    fields = projected_fields(projection, workload, spec, stack, cell.mode, cell.batch_size, profile,
                               projection.trace.precision)
     memory = projection.memory
     status, reason = "ok", ""

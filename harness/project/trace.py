@@ -73,6 +73,8 @@ class StepTrace:
     # training its backward, which CUDA runs on autograd's device thread): a cuBLAS handle takes its
     # workspace from the caching allocator there, after that matmul's output.
     first_matmul_at: tuple[int, ...] = ()
+    # Compute the trace could not see (modules' `untraced_compute`): the roofline cannot time the step.
+    untraced: tuple[str, ...] = ()
 
     @property
     def flops(self) -> float:
@@ -206,13 +208,17 @@ class _OpCostMode(TorchDispatchMode):
         if func.namespace == "prim" or (not outputs and not name.startswith("aten._foreach_")):
             return out  # metadata queries (device, sizes): no kernel; in-place foreach ops return None
         flops = 0.0
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        dtype = next((str(t.dtype).removeprefix("torch.") for t in inputs if t.is_floating_point()), "other")
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
         elif "scaled_dot_product" in name and "for_cpu" in name:
             flops = _cpu_attention_flops(name, args)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        elif packet is torch.ops.aten._int_mm:
+            # int8 x int8 -> int32 GEMM (ptq-int8): FlopCounterMode has no formula for it.
+            (m, k), n = args[0].shape, args[1].shape[1]
+            flops, dtype = 2.0 * m * k * n, "int8"
         moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
-        dtype = next((str(t.dtype).removeprefix("torch.") for t in inputs if t.is_floating_point()), "other")
         cost = self.costs[(self.phase, op_class(name), dtype)]
         cost.count += 1
         cost.flops += flops
@@ -313,7 +319,8 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
         costs=dict(costs.costs), baseline_bytes=baseline, precision=run.precision, notes=notes + run.notes,
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
-        first_matmul_at=tuple(first_matmuls.at.values()))
+        first_matmul_at=tuple(first_matmuls.at.values()),
+        untraced=tuple(sorted({m.untraced_compute for m in run.model.modules() if hasattr(m, "untraced_compute")})))
 
 
 def with_depth(spec, layers: int):

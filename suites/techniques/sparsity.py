@@ -314,6 +314,10 @@ class CsrLinear(nn.Module):
     The product runs on PyTorch's sparse kernels (MKL on CPU, cuSPARSE on CUDA) in the weight's dtype.
     """
 
+    # Fake tensors cannot form a CSR tensor, so a projection's trace sees only the product's output:
+    # the projection reports no step time rather than one without these products (harness/project).
+    untraced_compute = "CSR sparse products (cuSPARSE/MKL), which fake tensors cannot run"
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

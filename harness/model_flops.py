@@ -1,0 +1,53 @@
+"""Model FLOPs of a cell: the numerator of MFU, shared by measured and projected rows.
+
+MFU counts the work of the model being trained or served, without recomputation: the workload's
+analytic count (PaLM's 6N-style formula, comparable with published MFU figures) for the model as
+built. Techniques that change the architecture (sharing, low-rank factors, pruned heads and channels:
+the STRUCTURE phase) change that work, so the count is scaled by how much they shrink one forward's
+FLOPs, counted by `FlopCounterMode` on fake tensors. Techniques that store the same math differently
+(quantisation, sparsity, precision) leave it unchanged, by the usual dense-equivalent convention;
+FlopCounterMode does not count their int8 or sparse kernels, so they must not enter the ratio.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from suites.techniques import Run, Stack
+from suites.techniques.base import Phase
+from suites.workloads.base import SizeSpec, Workload
+
+
+def model_flops_per_sample(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile) -> float:
+    """Analytic FLOPs per sample of the model `stack` builds (forward + backward in training)."""
+    analytic = workload.train_flops_per_sample(spec) if mode == "train" else workload.forward_flops_per_sample(spec)
+    structure = tuple(t for t in stack.techniques if t.phase == Phase.STRUCTURE)
+    if not structure:
+        return analytic
+    key = (workload.name, spec.name, tuple(sorted(spec.config.items())), spec.seq_len, spec.image_size,
+           Stack(structure).name, mode)
+    if key not in _RATIOS:
+        base = _forward_flops(workload, spec, Stack(()), mode, profile)
+        _RATIOS[key] = _forward_flops(workload, spec, Stack(structure), mode, profile) / base if base else 1.0
+    return analytic * _RATIOS[key]
+
+
+# (workload, size, structural techniques, mode) -> their forward FLOPs over the model as built's
+_RATIOS: dict[tuple, float] = {}
+
+
+def _forward_flops(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile) -> float:
+    """FLOPs of one forward of one sample through the model `stack` builds."""
+    # Fake tensors: no memory and no real compute, so a large model counts in seconds.
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        run = Run(workload=workload, size=spec, mode=mode, profile=profile, model=workload.build(spec),
+                  batch_size=1)
+        stack.apply(run)
+        batch = workload.batch(spec, 1, torch.Generator().manual_seed(0))
+        run.model.eval()  # same FLOPs; BatchNorm in training would refuse a batch of one
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            workload.forward(run.model, batch)
+    return float(counter.get_total_flops())

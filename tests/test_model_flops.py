@@ -1,0 +1,38 @@
+"""Model FLOPs, MFU's numerator: the analytic count, scaled only by techniques that change the architecture."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.model_flops import model_flops_per_sample
+from harness.profiles import load_profiles
+from suites.techniques import parse_stack
+from suites.workloads import WORKLOADS
+
+H100 = load_profiles()["h100-sxm"]
+
+
+def _flops(technique: str, mode: str = "train", workload: str = "gpt") -> float:
+    spec = WORKLOADS[workload].sizes["smoke"]
+    return model_flops_per_sample(WORKLOADS[workload], spec, parse_stack(technique), mode, H100)
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_the_model_as_built_keeps_the_analytic_count(mode):
+    spec = WORKLOADS["gpt"].sizes["smoke"]
+    analytic = WORKLOADS["gpt"].train_flops_per_sample(spec) if mode == "train" else (
+        WORKLOADS["gpt"].forward_flops_per_sample(spec))
+    assert _flops("baseline", mode) == analytic
+    # Same math in other storage or precision, or recomputed: the same model FLOPs (dense-equivalent).
+    for technique in ("amp-bf16", "checkpointing", "param-sharing", "qat-int8"):
+        assert _flops(technique, mode) == analytic, technique
+
+
+@pytest.mark.parametrize("workload", ["gpt", "resnet50"])
+def test_techniques_that_shrink_the_architecture_shrink_the_model_flops(workload):
+    baseline = _flops("baseline", workload=workload)
+    for technique in ("low-rank", "structured-pruning"):
+        ratio = _flops(technique, workload=workload) / baseline
+        assert 0.3 < ratio < 0.95, f"{technique}: {ratio}"
+    # Stacked with a precision, the ratio is the architecture's alone.
+    assert _flops("low-rank+amp-bf16", workload=workload) == _flops("low-rank", workload=workload)
