@@ -158,6 +158,11 @@ def cmd_run(args) -> int:
     out = args.out or Path("results") / run_id
     if args.resume and not (out / "cells").is_dir():
         raise UsageError(f"--resume: {out} holds no earlier run (no cells/ folder)")
+    earlier = len(list((out / "cells").glob("*.json"))) if (out / "cells").is_dir() else 0
+    if earlier and not args.resume:
+        # Its rows would be folded into this run's frame and report under another run id.
+        raise UsageError(f"{out} already holds a run ({earlier} cells): pass --resume to continue it, "
+                         "or choose another --out")
     store = ResultsStore(out)
     store.prepare()
     options = RunOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,

@@ -60,6 +60,11 @@ class Record:
     # cudaMallocAsync), which picks the projected reserved figure its twin is compared with
     allocator: str | None = None
     process_peak_rss_bytes: int | None = None
+    # Where memory goes; each part in its own sense, so they need not add up to the peak:
+    # parameters, gradients and optimizer state as held at the end of the step (what persists);
+    # activations: what one forward keeps for backward (train) or its transient peak (infer);
+    # temporaries (projected): what is live at the peak and persists in none of those (intermediates,
+    # the optimizer step's scratch).
     params_bytes: int | None = None
     grads_bytes: int | None = None
     optimizer_bytes: int | None = None

@@ -25,6 +25,7 @@ TABLE_COLUMNS = [
     ("peak_allocated_bytes", "peak allocated", fmt.bytes_), ("peak_reserved_bytes", "peak reserved", fmt.bytes_),
     ("params_bytes", "params", fmt.bytes_), ("grads_bytes", "grads", fmt.bytes_),
     ("optimizer_bytes", "optimizer", fmt.bytes_), ("activations_bytes", "activations", fmt.bytes_),
+    ("temporaries_bytes", "temporaries at peak", fmt.bytes_),
     ("step_time_ms_p50", "step p50 (ms)", lambda v: fmt.number(v, 2)),
     ("step_time_ms_p90", "step p90 (ms)", lambda v: fmt.number(v, 2)),
     ("step_time_cv", "CV", fmt.percent), ("noisy", "noisy", lambda v: fmt.flag(v, "NOISY")),

@@ -47,6 +47,15 @@ def test_projected_twins_carry_their_error_against_the_measurement(small_run):
     assert twins["reserved_error_vs_measured"].isna().all()
 
 
+def test_a_folder_holding_a_run_is_not_reused_without_resume(small_run, capsys):
+    _, out = small_run
+    before = sorted((out / "cells").iterdir())
+    assert main(["run", "--workload", "gpt", "--technique", "baseline", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds a run (8 cells)" in err and "--resume" in err
+    assert sorted((out / "cells").iterdir()) == before  # nothing lost, nothing added
+
+
 def test_checkpointing_holds_fewer_activation_bytes(small_run):
     _, out = small_run
     frame = pd.read_parquet(out / "results.parquet")

@@ -42,11 +42,13 @@ def test_projected_peak_is_within_3_percent_of_the_measured_peak(workload_name, 
     spec = workload.sizes["smoke"]
     cell = Cell(workload_name, "smoke", "train", technique, "cpu", spec.batch_size)
     measured = measure_cell(cell, PROFILES["cpu"], "t", MeasureSettings(warmup=1, steps=10, repeats=1))
-    projected = project(workload, spec, parse_stack(technique), "train", spec.batch_size, PROFILES["cpu"]).memory
+    projection = project(workload, spec, parse_stack(technique), "train", spec.batch_size, PROFILES["cpu"])
+    projected = projection.memory
     error = projected.peak_allocated / measured.peak_allocated_bytes - 1
     assert abs(error) < 0.03, f"projected {projected.peak_allocated} vs measured {measured.peak_allocated_bytes}"
     assert projected.params == measured.params_bytes
     assert projected.optimizer == measured.optimizer_bytes
+    assert projection.trace.param_count == measured.param_count
 
 
 @pytest.mark.parametrize("workload_name, size, technique, mode", [
@@ -162,6 +164,11 @@ def test_gpt3_175b_training_does_not_fit_one_gpu_and_says_by_how_much():
     # Parameters in fp32 (4 B) plus AdamW's two moments (8 B) for ~175e9 parameters (C3's order).
     assert 0.68e12 < record.params_bytes < 0.72e12
     assert 1.36e12 < record.optimizer_bytes < 1.44e12
+    assert 174e9 < record.param_count < 176e9
+    # Its peak is in the foreach AdamW step (activations gone): the state plus the step's temporary,
+    # one fp32 copy of every parameter, are the whole peak.
+    parts = record.params_bytes + record.grads_bytes + record.optimizer_bytes + record.temporaries_bytes
+    assert parts + record.library_workspace_bytes == pytest.approx(record.peak_allocated_bytes, rel=0.01)
     # A cell that cannot run has memory figures but no speed or cost, like a measured oom row.
     assert record.source == "projected" and record.step_time_ms_p50 is None and record.mfu is None
     assert record.usd_per_million_tokens is None

@@ -177,8 +177,8 @@ def test_missing_values_show_the_empty_mark(hostile_html):
     gpt = sections["gpt"][0]
     missing = _row_by(gpt, "status", "oom")
     for header in ("batch", "precision", "peak allocated", "peak reserved", "params", "grads", "optimizer",
-                   "activations", "step p50 (ms)", "step p90 (ms)", "samples/s", "tokens/s", "MFU",
-                   "USD / M samples"):
+                   "activations", "temporaries at peak", "step p50 (ms)", "step p90 (ms)", "samples/s", "tokens/s",
+                   "MFU", "USD / M samples"):
         assert header in missing, f"no column {header!r}: {gpt['headers']}"
         assert missing[header] == EMPTY, (header, missing[header])
     # No cell anywhere spells a missing value as nan/None/<NA>/0 or leaves it blank.

@@ -215,12 +215,20 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
         peak_allocated=trace.peak_bytes + sum(workspaces), reserved=reserved, params=trace.params_bytes,
         grads=trace.grads_bytes,
         optimizer=trace.optimizer_bytes, activations=trace.activations_bytes,
-        temporaries=trace.at_peak.get("temporaries", 0), workspaces=sum(workspaces),
+        temporaries=_temporaries_at_peak(trace), workspaces=sum(workspaces),
         overhead=device_overhead(profile), capacity=profile.capacity_bytes if profile.vendor != "cpu" else None,
         extrapolated_from=extrapolated, notes=notes)
     if trace.untraced:
         notes.append(f"no step time: the trace cannot see {', '.join(trace.untraced)}")
     return Projection(memory, None if trace.untraced else estimate(trace, profile), trace)
+
+
+def _temporaries_at_peak(trace: StepTrace) -> int:
+    """Bytes live at the peak that outlive no step: MemTracker's temporaries, plus what the optimizer
+    holds there beyond its state (the foreach AdamW step's temporary the size of all parameters, which
+    MemTracker files under the optimizer)."""
+    at_peak = trace.at_peak
+    return at_peak.get("temporaries", 0) + max(0, at_peak.get("optimizer", 0) - trace.optimizer_bytes)
 
 
 def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: int) -> StepTrace:
@@ -248,6 +256,7 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         costs={key: cost(key) for key in b.costs}, precision=b.precision,
         notes=b.notes + [f"extrapolated from traces at {low} and {high} layers to {depth}"],
         untraced=b.untraced,
+        param_count=round(lin(a.param_count, b.param_count)),
         phase_peaks={p: round(v) for p, v in peaks.items() if p})
 
 
@@ -354,7 +363,7 @@ def projected_fields(projection: Projection, workload: Workload, spec: SizeSpec,
         peak_reserved_expandable_bytes=memory.reserved.get("expandable_segments"),
         peak_reserved_async_bytes=memory.reserved.get("cudaMallocAsync"),
         device_overhead_bytes=memory.overhead, library_workspace_bytes=memory.workspaces, fits=memory.fits,
-        params_bytes=memory.params,
+        params_bytes=memory.params, param_count=projection.trace.param_count,
         grads_bytes=memory.grads if mode == "train" else None,
         optimizer_bytes=memory.optimizer if mode == "train" else None,
         activations_bytes=memory.activations, temporaries_bytes=memory.temporaries,

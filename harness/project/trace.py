@@ -29,6 +29,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from harness.project.autocast_policy import cuda_autocast_policy
 from suites.step import Step
 from suites.techniques import Run, Stack
+from suites.workloads.base import count_parameters
 
 # CUDA's caching allocator rounds every request up to a multiple of 512 bytes (PyTorch CUDA notes,
 # reference/calibration.md); the CPU allocator reports the requested size.
@@ -75,6 +76,7 @@ class StepTrace:
     first_matmul_at: tuple[int, ...] = ()
     # Compute the trace could not see (modules' `untraced_compute`): the roofline cannot time the step.
     untraced: tuple[str, ...] = ()
+    param_count: int = 0  # parameters of the model the stack built (as a measured row counts them)
 
     @property
     def flops(self) -> float:
@@ -320,6 +322,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         costs=dict(costs.costs), baseline_bytes=baseline, precision=run.precision, notes=notes + run.notes,
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
         first_matmul_at=tuple(first_matmuls.at.values()),
+        param_count=count_parameters(run.model),
         untraced=tuple(sorted({m.untraced_compute for m in run.model.modules() if hasattr(m, "untraced_compute")})))
 
 
