@@ -26,16 +26,23 @@ def model_flops_per_sample(workload: Workload, spec: SizeSpec, stack: Stack, mod
     structure = tuple(t for t in stack.techniques if t.phase == Phase.STRUCTURE)
     if not structure:
         return analytic
-    key = (workload.name, spec.name, tuple(sorted(spec.config.items())), spec.seq_len, spec.image_size,
-           Stack(structure).name, mode)
-    if key not in _RATIOS:
-        base = _forward_flops(workload, spec, Stack(()), mode, profile)
-        _RATIOS[key] = _forward_flops(workload, spec, Stack(structure), mode, profile) / base if base else 1.0
-    return analytic * _RATIOS[key]
+    size_key = (workload.name, spec.name, tuple(sorted(spec.config.items())), spec.seq_len, spec.image_size)
+    as_built = _counted(size_key, workload, spec, Stack(()), mode, profile)
+    if not as_built:
+        return analytic
+    return analytic * _counted(size_key, workload, spec, Stack(structure), mode, profile) / as_built
 
 
-# (workload, size, structural techniques, mode) -> their forward FLOPs over the model as built's
-_RATIOS: dict[tuple, float] = {}
+# (size, stack, mode) -> one forward's counted FLOPs: each model is counted once per process (the
+# model as built once for both modes: an empty stack does not depend on it).
+_COUNTED: dict[tuple, float] = {}
+
+
+def _counted(size_key: tuple, workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile) -> float:
+    key = (size_key, stack.name, mode if stack.techniques else None)
+    if key not in _COUNTED:
+        _COUNTED[key] = _forward_flops(workload, spec, stack, mode, profile)
+    return _COUNTED[key]
 
 
 def _forward_flops(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile) -> float:
