@@ -26,7 +26,8 @@ from harness.profiles import (
 EXPECTED_FAMILIES = {
     "t4": "t4", "a10": "a10", "l4": "l4",
     "a100-pcie-40gb": "a100", "a100-sxm4-40gb": "a100", "a100-pcie-80gb": "a100", "a100-sxm4-80gb": "a100",
-    "h100-pcie": "h100", "h100-sxm": "h100", "h100-nvl": "h100", "h200": "h200", "l40s": "l40s", "b200": "b200",
+    "h100-pcie": "h100", "h100-sxm": "h100", "h100-nvl": "h100", "h200": "h200", "h200-nvl": "h200",
+    "l40s": "l40s", "b200": "b200",
     "mi250x": "mi250x", "mi300x": "mi300x", "cpu": "cpu",
 }
 # Top-level fields that are datasheet figures and so must cite a source when present (from the module docs:
@@ -142,6 +143,9 @@ SPOT_CHECKS = [
     ("h200", "peak:bf16", 989.4e12),
     ("h200", "memory_bandwidth_bytes_s", 4800e9),
     ("h200", "memory_bytes", 141 * 2**30),
+    ("h200-nvl", "peak:bf16", 835.5e12),
+    ("h200-nvl", "memory_bandwidth_bytes_s", 4800e9),
+    ("h200-nvl", "tdp_w", 600),
     ("t4", "peak:fp16", 65e12),
     ("t4", "peak:fp32", 8.1e12),
     ("t4", "peak:int8", 130e12),
