@@ -144,7 +144,12 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
         activations = None
 
     throughput = timing.throughput(cell.batch_size)
-    flops_per_sample = model_flops_per_sample(workload, spec, stack, cell.mode, profile)
+    try:
+        flops_per_sample = model_flops_per_sample(workload, spec, stack, cell.mode, profile)
+    except Exception as exc:  # a finished measurement must not be lost to its MFU's numerator
+        flops_per_sample = (workload.train_flops_per_sample(spec) if cell.mode == "train"
+                            else workload.forward_flops_per_sample(spec))
+        run.notes.append(f"model FLOPs of the model as built, not as transformed ({type(exc).__name__}: {exc})")
     derived = speed_and_cost(profile, run.precision, flops_per_sample, throughput, spec.seq_len,
                              convolutional=workload.kind == "vision")
     # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
@@ -186,7 +191,11 @@ def main(argv: list[str]) -> int:
                                  f"the stack's environment {restart.env} did not hold after a restart")
         else:
             # The same command line (`sys.orig_argv`: tests run other entry modules) in a fresh image.
-            os.execve(sys.executable, sys.orig_argv, {**os.environ, **restart.env, RESTARTED: "1"})
+            try:
+                os.execve(sys.executable, sys.orig_argv, {**os.environ, **restart.env, RESTARTED: "1"})
+            except OSError as exc:
+                record = base_record(cell, spec["run_id"], "measured", "error",
+                                     f"could not restart with the stack's environment: {exc}")
     except BaseException as exc:  # the row must say what happened, whatever it was
         detail = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[0][:500]
         record = base_record(cell, spec["run_id"], "measured", failure_status(exc), detail)

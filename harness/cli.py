@@ -210,7 +210,7 @@ def cmd_project(args) -> int:
 
     from harness.plan import MODES, Cell
     from harness.profiles import unknown_name
-    from harness.project import MAX_BATCH_LIMIT, largest_model, max_batch, project_cell, smallest_batch
+    from harness.project import MAX_BATCH_LIMIT, batch_step, largest_model, max_batch, project_cell, smallest_batch
     from suites.techniques import Unsupported, parse_stack
     from suites.workloads import get_workload
 
@@ -224,7 +224,8 @@ def cmd_project(args) -> int:
     stack = parse_stack(args.technique)
     if args.largest_model:
         ignored = [flag for flag, value in (("--size", args.size), ("--batch-size", args.batch_size),
-                                            ("--max-batch", args.max_batch), ("--seq-len", args.seq_len)) if value]
+                                            ("--max-batch", args.max_batch or None), ("--seq-len", args.seq_len))
+                   if value is not None]
         if ignored:
             raise UsageError(f"--largest-model searches every size of {workload.name} at its smallest batch: "
                              f"drop {', '.join(ignored)}")
@@ -246,7 +247,7 @@ def cmd_project(args) -> int:
         spec = dataclasses.replace(spec, seq_len=args.seq_len)
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    step = smallest_batch(stack)
+    step, least = batch_step(stack), smallest_batch(stack, workload, args.mode)
     notes = []
     batch_size = spec.batch_size if args.batch_size is None else args.batch_size
     if args.max_batch:
@@ -255,7 +256,8 @@ def cmd_project(args) -> int:
                              "(the host's memory is not modelled): pick a GPU profile")
         if not stack.check(profile, workload, args.mode):  # an unsupported stack is reported as such below
             try:
-                batch_size = max_batch(workload, spec, stack, args.mode, profile, step=step) or step
+                batch_size = max_batch(workload, spec, stack, args.mode, profile, step=step,
+                                       smallest=least) or least
             except Unsupported:
                 pass  # raised by the stack at this size: project_cell reports it
             if batch_size >= MAX_BATCH_LIMIT:

@@ -2,17 +2,19 @@
 
 MFU counts the work of the model being trained or served, without recomputation: the workload's
 analytic count (PaLM's 6N-style formula, comparable with published MFU figures) for the model as
-built. Techniques that change the architecture (sharing, low-rank factors, pruned heads and channels:
-the STRUCTURE phase) change that work, so the count is scaled by how much they shrink one forward's
-FLOPs, counted by `FlopCounterMode` on fake tensors. Techniques that store the same math differently
-(quantisation, sparsity, precision) leave it unchanged, by the usual dense-equivalent convention;
-FlopCounterMode does not count their int8 or sparse kernels, so they must not enter the ratio.
+built. Techniques that change the architecture (the STRUCTURE phase: low-rank factors, pruned heads
+and channels; sharing weights changes none) change that work, so the count is scaled by how much they
+shrink one forward's FLOPs, counted by `FlopCounterMode` on fake tensors. Techniques that store the
+same math differently (quantisation, sparsity, precision) leave it unchanged, by the usual
+dense-equivalent convention; FlopCounterMode does not count their int8 or sparse kernels, so they
+must not enter the ratio.
 """
 
 from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from suites.techniques import Run, Stack
@@ -55,6 +57,8 @@ def _forward_flops(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, 
         batch = workload.batch(spec, 1, torch.Generator().manual_seed(0))
         run.model.eval()  # same FLOPs; BatchNorm in training would refuse a batch of one
         counter = FlopCounterMode(display=False)
-        with counter, torch.no_grad():
+        # The math path: FlopCounterMode has no formula for the CPU's fused attention kernel, and
+        # attention is part of the analytic count being scaled.
+        with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
             workload.forward(run.model, batch)
     return float(counter.get_total_flops())

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.model_flops import model_flops_per_sample
+from harness.model_flops import _forward_flops, model_flops_per_sample
 from harness.profiles import load_profiles
-from suites.techniques import parse_stack
+from suites.techniques import Stack, parse_stack
 from suites.workloads import WORKLOADS
 
 H100 = load_profiles()["h100-sxm"]
@@ -36,3 +36,11 @@ def test_techniques_that_shrink_the_architecture_shrink_the_model_flops(workload
         assert 0.3 < ratio < 0.95, f"{technique}: {ratio}"
     # Stacked with a precision, the ratio is the architecture's alone.
     assert _flops("low-rank+amp-bf16", workload=workload) == _flops("low-rank", workload=workload)
+
+
+@pytest.mark.parametrize("workload", ["gpt", "bert", "resnet50"])
+def test_the_counted_forward_of_the_model_as_built_is_the_analytic_count(workload):
+    # So the ratio scales like with like: attention included (counted on its math path).
+    spec = WORKLOADS[workload].sizes["smoke"]
+    counted = _forward_flops(WORKLOADS[workload], spec, Stack(()), "infer", H100)
+    assert counted == pytest.approx(WORKLOADS[workload].forward_flops_per_sample(spec), rel=1e-9)

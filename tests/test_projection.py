@@ -229,11 +229,23 @@ def test_largest_model_says_why_there_is_none_and_at_which_batch(capsys):
     assert main(["project", "--gpu", "t4", "--workload", "resnet50", "--largest-model", "--format", "json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["batch_size"] == 2 and answer["largest_size_that_fits"] == "resnet50"
+    assert main(["project", "--gpu", "t4", "--workload", "resnet50", "--technique", "grad-accumulation",
+                 "--largest-model", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["batch_size"] == 8  # 4 micro-batches of 2
+
+
+def test_max_batch_of_a_batchnorm_net_in_training_starts_at_two_samples(capsys):
+    # The 32 px smoke ResNet's last feature map is 1 x 1: BatchNorm cannot train on one sample.
+    assert main(["project", "--gpu", "t4", "--workload", "resnet50", "--size", "smoke", "--max-batch",
+                 "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["status"] == "ok" and record["batch_size"] >= 2
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--largest-model", "--size", "smoke"], "drop --size"),
     (["--largest-model", "--seq-len", "128"], "drop --seq-len"),
+    (["--largest-model", "--batch-size", "0"], "drop --batch-size"),
     (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
     (["--gpu", "cpu", "--max-batch"], "--max-batch needs a profile with a memory size"),
 ])

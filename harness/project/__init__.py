@@ -190,14 +190,14 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
         # order of a shallow trace's frees would be multiplied by it) nor proportional to the peak:
         # traced at 2 to 24 layers (gpt2-124m/350m, bert-base/large) it stays within about 0.5 GiB of
         # the 3-layer figure, much of it from the fixed-size LM head's blocks. So the deeper trace's
-        # fragmentation is carried over in bytes. Against full-depth replays of the same model, native
-        # reserved: -5.1% to +4.6% at working batches (gpt2-124m b4-b10 s1024, bert-base b32-b64;
-        # carrying the ratio over instead: up to +14.9%), -10.3% to -5.5% at batch 1, s256 (ratio:
-        # -3.6% to -1.9%, but up to +17.8% under expandable segments, where bytes give at most +6.7%).
-        reserved_b = _reserved(trace_b)
+        # fragmentation (with the BLAS workspaces in place in its log) is carried over in bytes. Against
+        # full-depth replays of the same model on h100-sxm, training (2026-11-30): native reserved -5.9%
+        # to +3.9% at working batches (gpt2-124m b4-b10 s1024, bert-base b32-b64, amp-bf16 and fp32;
+        # carrying the ratio over instead: up to +14.9%), -8.3% to -6.9% at batch 1, s256; expandable
+        # segments within 0.8% (the ratio: up to +17.8%).
         workspaces = _workspaces_for(trace_b, profile, mode)
-        alone = _replayed(_allocs_of(workspaces))
-        reserved = {s: trace.peak_bytes + reserved_b[s] - trace_b.peak_bytes + alone[s] for s in reserved_b}
+        reserved_b = _reserved(trace_b, workspaces)  # the workspaces in place: their segments, their holes
+        reserved = {s: trace.peak_bytes + reserved_b[s] - trace_b.peak_bytes for s in reserved_b}
     if profile.vendor == "cpu":
         reserved = {"native": None}  # no caching allocator on the host: nothing to model
     notes = list(trace.notes)
@@ -269,8 +269,9 @@ MAX_BATCH_LIMIT = 1 << 16
 
 
 def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile, step: int = 1,
-              limit: int = MAX_BATCH_LIMIT) -> int:
-    """The largest batch (a multiple of `step`) whose projected memory fits `profile`, 0 if none.
+              limit: int = MAX_BATCH_LIMIT, smallest: int | None = None) -> int:
+    """The largest batch (a multiple of `step`, at least `smallest`) whose projected memory fits
+    `profile`, 0 if none.
 
     Memory is affine in the batch for fixed shapes: two projections give the slope, the solution is
     checked by a projection at the answer and walked down (binary search) if the allocator's
@@ -279,14 +280,15 @@ def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profi
     profile = profile.per_device()
     if profile.vendor == "cpu" or profile.capacity_bytes is None:
         raise ValueError(f"profile {profile.id} has no memory size to fit in: cannot solve for the largest batch")
-    first = project(workload, spec, stack, mode, step, profile).memory
+    start = max(step, smallest or step)
+    first = project(workload, spec, stack, mode, start, profile).memory
     if not first.fits:
         return 0
-    second = project(workload, spec, stack, mode, 2 * step, profile).memory
+    second = project(workload, spec, stack, mode, start + step, profile).memory
     slope = (second.reserved["native"] - first.reserved["native"]) / step
     budget = profile.capacity_bytes - first.overhead - first.reserved["native"]
-    guess = limit if slope <= 0 else min(limit, step + int(budget / slope) // step * step)
-    guess = max(step, guess - guess % step)
+    guess = limit if slope <= 0 else min(limit, start + int(budget / slope) // step * step)
+    guess = max(start, guess - guess % step)
 
     def fits(batch: int) -> bool:
         return fits_at(workload, spec, stack, mode, batch, profile)
@@ -300,20 +302,22 @@ def max_batch(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profi
         if high > limit:
             return low
     else:
-        low, high = step, guess
+        low, high = start, guess
     while high - low > step:
         middle = (low + high) // 2 // step * step
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
 
 
-def smallest_batch(stack: Stack, workload: Workload | None = None, mode: str = "train") -> int:
-    """The smallest batch the stack can take: accumulation splits it into equal micro-batches, and
-    BatchNorm in training needs more than one value per channel (two samples at least)."""
-    batch = DEFAULT_MICRO_BATCHES if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
-    if workload is not None and workload.kind == "vision" and mode == "train":
-        batch = max(batch, 2)
-    return batch
+def batch_step(stack: Stack) -> int:
+    """The batch must be a multiple of this: accumulation splits it into equal micro-batches."""
+    return DEFAULT_MICRO_BATCHES if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
+
+
+def smallest_batch(stack: Stack, workload: Workload, mode: str) -> int:
+    """The smallest batch the cell can take: one sample per micro-batch, two where BatchNorm trains
+    (it needs more than one value per channel, and a conv net's last feature map may be 1 x 1)."""
+    return batch_step(stack) * (2 if workload.kind == "vision" and mode == "train" else 1)
 
 
 @dataclass(frozen=True)
@@ -391,13 +395,13 @@ def project_cell(cell, profile, run_id: str, spec: SizeSpec | None = None) -> Re
         return base_record(cell, run_id, "projected", "unsupported", reason, device_name=profile.name)
     try:
         projection = project(workload, spec, stack, cell.mode, cell.batch_size, profile)
+        fields = projected_fields(projection, workload, spec, stack, cell.mode, cell.batch_size, profile,
+                                  projection.trace.precision)
     except Unsupported as exc:
         return base_record(cell, run_id, "projected", "unsupported", str(exc), device_name=profile.name)
     except Exception as exc:  # a projection bug must become a row, not end the run
         return base_record(cell, run_id, "projected", "error", f"projection failed: {type(exc).__name__}: {exc}",
                            device_name=profile.name)
-    fields = projected_fields(projection, workload, spec, stack, cell.mode, cell.batch_size, profile,
-                              projection.trace.precision)
     memory = projection.memory
     status, reason = "ok", ""
     if memory.fits is False:

@@ -212,14 +212,15 @@ class _OpCostMode(TorchDispatchMode):
         flops = 0.0
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         dtype = next((str(t.dtype).removeprefix("torch.") for t in inputs if t.is_floating_point()), "other")
-        if packet in flop_registry:
+        if packet is torch.ops.aten._int_mm:
+            # int8 x int8 -> int32 GEMM (ptq-int8): FlopCounterMode has no formula for it, and its
+            # operands are not floating point, so its dtype is named here.
+            (m, k), n = args[0].shape, args[1].shape[1]
+            flops, dtype = 2.0 * m * k * n, "int8"
+        elif packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
         elif "scaled_dot_product" in name and "for_cpu" in name:
             flops = _cpu_attention_flops(name, args)
-        elif packet is torch.ops.aten._int_mm:
-            # int8 x int8 -> int32 GEMM (ptq-int8): FlopCounterMode has no formula for it.
-            (m, k), n = args[0].shape, args[1].shape[1]
-            flops, dtype = 2.0 * m * k * n, "int8"
         moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
         cost = self.costs[(self.phase, op_class(name), dtype)]
         cost.count += 1
