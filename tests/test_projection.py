@@ -234,12 +234,20 @@ def test_largest_model_says_why_there_is_none_and_at_which_batch(capsys):
     assert json.loads(capsys.readouterr().out)["batch_size"] == 8  # 4 micro-batches of 2
 
 
-def test_max_batch_of_a_batchnorm_net_in_training_starts_at_two_samples(capsys):
+def test_max_batch_of_a_batchnorm_net_in_training_starts_at_two_samples(capsys, monkeypatch):
     # The 32 px smoke ResNet's last feature map is 1 x 1: BatchNorm cannot train on one sample.
+    workload = WORKLOADS["resnet50"]
+    spec, stack = workload.sizes["smoke"], parse_stack("baseline")
+    assert max_batch(workload, spec, stack, "train", PROFILES["t4"], smallest=2, limit=6) == 6
+    # The command asks for that smallest batch (the search itself stubbed: the full one takes 40 s).
+    import harness.project
+
+    asked = {}
+    monkeypatch.setattr(harness.project, "max_batch", lambda *a, **k: asked.update(k) or 0)
     assert main(["project", "--gpu", "t4", "--workload", "resnet50", "--size", "smoke", "--max-batch",
-                 "--format", "json"]) == 0
-    record = json.loads(capsys.readouterr().out)
-    assert record["status"] == "ok" and record["batch_size"] >= 2
+                 "--technique", "grad-accumulation", "--format", "json"]) == 0
+    assert asked["smallest"] == 8 and asked["step"] == 4  # 4 micro-batches of 2 samples
+    assert json.loads(capsys.readouterr().out)["batch_size"] == 8  # a search answering 0 shows the smallest
 
 
 @pytest.mark.parametrize("argv, message", [
