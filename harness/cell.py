@@ -23,7 +23,7 @@ from harness.measure.memory import probe_for
 from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from harness.measure.timing import time_steps
 from harness.metrics import speed_and_cost
-from harness.model_flops import model_flops_per_sample
+from harness.model_flops import analytic_flops_per_sample, model_flops_per_sample
 from harness.plan import Cell
 from harness.profiles import GpuProfile, load_profiles
 from harness.provenance import git_sha, nvml_info
@@ -147,8 +147,7 @@ def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: Measure
     try:
         flops_per_sample = model_flops_per_sample(workload, spec, stack, cell.mode, profile)
     except Exception as exc:  # a finished measurement must not be lost to its MFU's numerator
-        flops_per_sample = (workload.train_flops_per_sample(spec) if cell.mode == "train"
-                            else workload.forward_flops_per_sample(spec))
+        flops_per_sample = analytic_flops_per_sample(workload, spec, cell.mode)
         run.notes.append(f"model FLOPs of the model as built, not as transformed ({type(exc).__name__}: {exc})")
     derived = speed_and_cost(profile, run.precision, flops_per_sample, throughput, spec.seq_len,
                              convolutional=workload.kind == "vision")

@@ -22,9 +22,14 @@ from suites.techniques.base import Phase
 from suites.workloads.base import SizeSpec, Workload
 
 
+def analytic_flops_per_sample(workload: Workload, spec: SizeSpec, mode: str) -> float:
+    """The workload's analytic FLOPs per sample of the model as built (forward + backward in training)."""
+    return workload.train_flops_per_sample(spec) if mode == "train" else workload.forward_flops_per_sample(spec)
+
+
 def model_flops_per_sample(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile) -> float:
     """Analytic FLOPs per sample of the model `stack` builds (forward + backward in training)."""
-    analytic = workload.train_flops_per_sample(spec) if mode == "train" else workload.forward_flops_per_sample(spec)
+    analytic = analytic_flops_per_sample(workload, spec, mode)
     structure = tuple(t for t in stack.techniques if t.phase == Phase.STRUCTURE)
     if not structure:
         return analytic
