@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 8 minutes: 3 x 90 s
-# of runs, 2 x 60 s under the other allocator settings, 90 s of tests): measured cells with their
-# projected twins (peak, reserved and step-time errors), then the tests that skip without CUDA (2:4
+# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 9 minutes: 3 x 90 s
+# of runs, 2 x 60 s under the other allocator settings, 70 s of fit check, 75 s of tests): measured
+# cells with their projected twins (peak, reserved and step-time errors), the projected largest batch
+# measured (it must run, 10% more must not), then the tests that skip without CUDA (2:4
 # semi-structured kernels, int4 tinygemm, fp8, autocast lists).
 # Here:   bash benchmarks/gpu_vendor.sh
 # Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=570)
@@ -38,8 +39,13 @@ for conf in expandable_segments:True backend:cudaMallocAsync; do
 done
 python benchmarks/twin_errors.py "$OUT"/bench-* 2>&1 | tee -a "$OUT/summary.txt"
 
+step "fit: the projected largest batch against the device"
+timeout 70 python benchmarks/fit_check.py > "$OUT/fit-check.txt" 2>&1
+echo "exit $?" | tee -a "$OUT/summary.txt"
+grep -v "^W[0-9]" "$OUT/fit-check.txt" | tail -6 | tee -a "$OUT/summary.txt"
+
 step "tests that need CUDA"
-timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_sparsity.py tests/test_quantization.py \
+timeout 75 python -m pytest -q -rs -p no:cacheprovider tests/test_sparsity.py tests/test_quantization.py \
   tests/test_fp8.py tests/test_autocast_policy.py > "$OUT/pytest.txt" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
 tail -25 "$OUT/pytest.txt" | tee -a "$OUT/summary.txt"
