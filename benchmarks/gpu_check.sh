@@ -6,47 +6,55 @@
 # semi-structured kernels, int4 tinygemm, fp8, autocast lists).
 # Here:   bash benchmarks/gpu_vendor.sh
 # Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=570)
+# $OUT gets two files (the device returns at most 8): summary.txt, written as it goes, and
+# gpu_check.tgz with every log and results folder (from $WORK).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/gpu_check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=".:.gpu_vendor${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1                # a step killed by its timeout keeps what it printed
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # the machine's own pytest plugins would load into the carried pytest
 step() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+pack() { tar czf "$OUT/gpu_check.tgz" -C "$WORK" . 2>/dev/null; }
+trap pack EXIT
 
 step "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/summary.txt"
-python -m harness.cli env 2>&1 | tee "$OUT/env.txt" | head -20
+$PY -m harness.cli env 2>&1 | tee "$WORK/env.txt" | head -20
 
 # One run per workload, each under its own limit: a run attaches the twins' errors when it ends, so a
 # limit that cuts one run short loses only that workload's errors.
 for workload in gpt bert resnet50; do
   step "measured cells and projected twins: $workload"
-  timeout 90 python -m harness.cli run --scale standard --workload "$workload" \
+  timeout -k 5 90 $PY -m harness.cli run --scale standard --workload "$workload" \
     --technique baseline,amp-bf16,checkpointing --steps 10 --repeats 2 --warmup 2 --cell-timeout 60 \
-    --out "$OUT/bench-$workload" > "$OUT/run-$workload.txt" 2>&1
+    --out "$WORK/bench-$workload" > "$WORK/run-$workload.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
-  tail -3 "$OUT/run-$workload.txt"
+  tail -3 "$WORK/run-$workload.txt"
 done
 # The allocator model's other settings: one training cell each (the setting must be in the
 # environment before the cell's process starts; the rows record the setting the allocator reports).
 for conf in expandable_segments:True backend:cudaMallocAsync; do
   name=${conf//[:]/-}
   step "allocator $conf: gpt train amp-bf16"
-  PYTORCH_CUDA_ALLOC_CONF=$conf timeout 60 python -m harness.cli run --scale standard --workload gpt \
+  PYTORCH_CUDA_ALLOC_CONF=$conf timeout -k 5 60 $PY -m harness.cli run --scale standard --workload gpt \
     --technique amp-bf16 --mode train --steps 10 --repeats 2 --warmup 2 --cell-timeout 50 \
-    --out "$OUT/bench-alloc-$name" > "$OUT/run-alloc-$name.txt" 2>&1
+    --out "$WORK/bench-alloc-$name" > "$WORK/run-alloc-$name.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
 done
-python benchmarks/twin_errors.py "$OUT"/bench-* 2>&1 | tee -a "$OUT/summary.txt"
+$PY benchmarks/twin_errors.py "$WORK"/bench-* 2>&1 | tee -a "$OUT/summary.txt"
 
 step "fit: the projected largest batch against the device"
-timeout 70 python benchmarks/fit_check.py > "$OUT/fit-check.txt" 2>&1
+timeout -k 5 70 $PY benchmarks/fit_check.py > "$WORK/fit-check.txt" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
-grep -v "^W[0-9]" "$OUT/fit-check.txt" | tail -6 | tee -a "$OUT/summary.txt"
+grep -v "^W[0-9]" "$WORK/fit-check.txt" | tail -8 | tee -a "$OUT/summary.txt"
 
 step "tests that need CUDA"
-timeout 75 python -m pytest -q -rs -p no:cacheprovider tests/test_sparsity.py tests/test_quantization.py \
-  tests/test_fp8.py tests/test_autocast_policy.py > "$OUT/pytest.txt" 2>&1
+timeout -k 5 75 $PY -m pytest -q -rs -p no:cacheprovider tests/test_sparsity.py tests/test_quantization.py \
+  tests/test_fp8.py tests/test_autocast_policy.py > "$WORK/pytest.txt" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
-tail -25 "$OUT/pytest.txt" | tee -a "$OUT/summary.txt"
+tail -25 "$WORK/pytest.txt" | tee -a "$OUT/summary.txt"
 step "done"

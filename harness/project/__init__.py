@@ -85,12 +85,10 @@ class MemoryProjection:
     capacity: int | None
     extrapolated_from: tuple[int, ...] = ()
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def fits(self) -> bool | None:
-        if self.capacity is None:
-            return None
-        return self.reserved["native"] + self.overhead <= self.capacity
+    # Whether the step runs in `capacity` under the native allocator, judged by `_judge_fit` (None on
+    # the host CPU), and whether only the allocator's retry after freeing its cache makes it fit.
+    fits: bool | None = None
+    fits_by_freeing_cache: bool = False
 
 
 @dataclass
@@ -218,9 +216,34 @@ def project(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, batch_s
         temporaries=_temporaries_at_peak(trace), workspaces=sum(workspaces),
         overhead=device_overhead(profile), capacity=profile.capacity_bytes if profile.vendor != "cpu" else None,
         extrapolated_from=extrapolated, notes=notes)
+    logged = trace_b if extrapolated else trace  # the trace whose allocation log stands for this one
+    memory.fits, memory.fits_by_freeing_cache = _judge_fit(memory, logged, workspaces,
+                                                           trace.peak_bytes - logged.peak_bytes)
+    if memory.fits_by_freeing_cache:
+        notes.append(f"fits only because the allocator frees its cached blocks and retries when cudaMalloc "
+                     f"fails: unconstrained, it would reserve {memory.reserved['native'] / MiB:,.0f} MiB")
     if trace.untraced:
         notes.append(f"no step time: the trace cannot see {', '.join(trace.untraced)}")
     return Projection(memory, None if trace.untraced else estimate(trace, profile), trace)
+
+
+def _judge_fit(memory: MemoryProjection, logged: StepTrace, workspaces: tuple[int, ...],
+               extra_live: int) -> tuple[bool | None, bool]:
+    """(fits, only by freeing the cache). A step whose unconstrained reserved peak fits the device's
+    room (capacity less the CUDA context) fits; one whose live bytes alone exceed it does not. In
+    between, the caching allocator, when cudaMalloc fails, frees its cached unused segments and retries
+    (c10 CUDACachingAllocator, release_cached_blocks), so the log is replayed against the room itself.
+    An extrapolated trace replays its deepest traced log against the room less the live bytes the
+    extra layers add (`extra_live`): its fragmentation is carried over in bytes, as for reserved."""
+    if memory.capacity is None:
+        return None, False
+    room = memory.capacity - memory.overhead
+    if memory.reserved["native"] <= room:
+        return True, False
+    if memory.peak_allocated > room:
+        return False, False
+    replayed = replay(_with_workspaces(logged, workspaces), "native", capacity=room - extra_live)
+    return not replayed.oom, not replayed.oom
 
 
 def _temporaries_at_peak(trace: StepTrace) -> int:
@@ -406,8 +429,13 @@ def project_cell(cell, profile, run_id: str, spec: SizeSpec | None = None) -> Re
     status, reason = "ok", ""
     if memory.fits is False:
         status = "oom"
-        reason = (f"needs {memory.reserved['native'] / MiB:,.0f} MiB reserved + {memory.overhead / MiB:,.0f} MiB "
-                  f"CUDA context > {memory.capacity / MiB:,.0f} MiB on {profile.id}")
+        context = f"{memory.overhead / MiB:,.0f} MiB CUDA context > {memory.capacity / MiB:,.0f} MiB on {profile.id}"
+        if memory.peak_allocated + memory.overhead > memory.capacity:
+            reason = f"needs {memory.peak_allocated / MiB:,.0f} MiB allocated at its peak + {context}"
+        else:  # the live bytes would fit, but not in the segments the allocator can keep
+            reason = (f"needs {memory.reserved['native'] / MiB:,.0f} MiB reserved + {context}, and freeing the "
+                      f"cached blocks on a failed cudaMalloc does not make room for its "
+                      f"{memory.peak_allocated / MiB:,.0f} MiB allocated")
         # A cell that cannot run has no speed or cost, as a measured oom row has none.
         fields.update(dict.fromkeys(SPEED_FIELDS))
     return base_record(cell, run_id, "projected", status, reason, seq_len=spec.seq_len, **fields)
