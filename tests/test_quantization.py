@@ -258,11 +258,19 @@ def test_group_quant_int4_uses_torchao_tinygemm_on_cuda():
     model = workload.build(spec).eval()
     batch = {k: v.cuda() for k, v in workload.batch(spec, 2, torch.Generator().manual_seed(1)).items()}
     ref = _reference(workload, copy.deepcopy(model).cuda(), batch)
+    # The same int4 quantisation on the hand-written CPU path: its error is the yardstick (group-32 int4
+    # through this 1024-wide model: 0.22 on the CPU; 0.185 was measured through tinygemm on an H200).
+    cpu_run = Run(workload=workload, size=spec, mode="infer", profile=PROFILES["cpu"], model=copy.deepcopy(model),
+                  batch_size=2)
+    parse_stack("group-quant-int4").apply(cpu_run)
+    cpu_batch = {k: v.cpu() for k, v in batch.items()}
+    cpu_error = _relative_error(Step(cpu_run, torch.device("cpu"))(cpu_batch), ref.cpu())
     run = Run(workload=workload, size=spec, mode="infer", profile=gpu, model=model, batch_size=2)
     parse_stack("group-quant-int4").apply(run)
     run.model = run.model.cuda()
     assert _layers(run.model, G.Bf16Input), run.notes[-1]
-    assert _relative_error(Step(run, torch.device("cuda"))(batch), ref) < 0.15
+    gpu_error = _relative_error(Step(run, torch.device("cuda"))(batch), ref)
+    assert gpu_error < 1.1 * cpu_error < 0.5, (gpu_error, cpu_error)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torchao's int4 tinygemm kernel needs a CUDA GPU")
