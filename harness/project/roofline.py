@@ -16,6 +16,12 @@ physical bounds against the published A100 measurements of reference/calibration
 - memory 0.85: elementwise kernels stream at 80-90% of the bandwidth.
 Mean absolute error over the like-for-like rows on 2026-11-30 (CUDA autocast lists): 14.5%, worst -32.9%
 (BERT-large s512).
+
+Against measured twins on an H200 (benchmarks/data/h200-2026-11-30.csv, torch 2.11, the suite's
+standard batches: gpt2-124m b8, bert-base b32, resnet50 b32): fp32 GPT and BERT steps project within
+-10% to +5%, but every amp-bf16 step projects 47-75% too fast and every ResNet step 34-81% too fast.
+Those steps are short (4-40 ms) and launch-bound: measured minus roofline time is 8-29 us per traced
+op, against the 5 us of OP_OVERHEAD_S. Not yet refitted: the next fit should use these rows.
 """
 
 from __future__ import annotations
