@@ -306,15 +306,18 @@ def families(profiles: dict[str, GpuProfile]) -> dict[str, list[GpuProfile]]:
 
 
 def resolve_gpus(names: list[str], profiles: dict[str, GpuProfile]) -> list[GpuProfile]:
-    """Expand ids and family names into profiles (order kept, duplicates dropped); ValueError otherwise."""
+    """Expand ids and family names into profiles (order kept, duplicates dropped); ValueError otherwise.
+
+    A family name takes every variant, also where one variant's id is the family's name (`h200` is
+    the SXM's id and the family of the SXM and the NVL), so `bench-h200` covers both."""
     fams = families(profiles)
     chosen: dict[str, GpuProfile] = {}
     for name in names:
-        if name in profiles:
-            chosen.setdefault(name, profiles[name])
-        elif name in fams:
+        if name in fams:
             for profile in fams[name]:
                 chosen.setdefault(profile.id, profile)
+        elif name in profiles:
+            chosen.setdefault(name, profiles[name])
         else:
             raise ValueError(unknown_name("GPU", name, sorted(set(profiles) | set(fams))))
     return list(chosen.values())
