@@ -88,8 +88,7 @@ def test_resolve_family_and_ids(profiles):
     assert sorted(p.id for p in a100) == ["a100-pcie-40gb", "a100-pcie-80gb", "a100-sxm4-40gb", "a100-sxm4-80gb"]
     assert [p.id for p in resolve_gpus(["h100-sxm"], profiles)] == ["h100-sxm"]
     assert {p.id for p in resolve_gpus(["h100"], profiles)} == {"h100-pcie", "h100-sxm", "h100-nvl"}
-    # An id that is also its family's name stands for the whole family (bench-h200 covers the NVL too).
-    assert {p.id for p in resolve_gpus(["h200"], profiles)} == {"h200", "h200-nvl"}
+    assert {p.id for p in resolve_gpus(["h200"], profiles)} == {"h200", "h200-nvl"}  # an id naming its family
     # Order kept, duplicates dropped.
     mixed = resolve_gpus(["t4", "a100", "a100-sxm4-80gb", "t4"], profiles)
     assert [p.id for p in mixed][0] == "t4"
