@@ -15,13 +15,11 @@ import math
 import sys
 import time
 
-from harness.cell import MeasureSettings
-from harness.plan import Cell
+from harness.cell import Cell
+from harness.measure.local import MeasureSettings
 from harness.profiles import detect_local, load_profiles
 from harness.project import batch_step, max_batch, project, smallest_batch
-from harness.run import RunOptions, run_isolated
-from suites.techniques import parse_stack
-from suites.workloads import get_workload
+from harness.runner import RunnerOptions, run_isolated
 
 
 def main(argv: list[str]) -> int:
@@ -31,24 +29,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--technique", default="amp-bf16")
     parser.add_argument("--mode", default="train")
     args = parser.parse_args(argv)
-    local = detect_local(load_profiles())
+    profiles = load_profiles()
+    local = detect_local(profiles)
     if local.vendor == "cpu":
         print("fit check skipped: no CUDA GPU here (the host CPU has no memory size to fit in)")
         return 0
-    workload, stack = get_workload(args.workload), parse_stack(args.technique)
-    spec = workload.size(args.size)
-    unsupported = stack.check(local, workload, args.mode)
-    if unsupported:
-        print(f"fit check skipped: {unsupported}")
+    cell = Cell(args.workload, args.size, args.mode, args.technique, local.id, 1).resolve(profiles)
+    if cell.unsupported:
+        print(f"fit check skipped: {cell.unsupported}")
         return 0
+    stack = cell.stack
     started = time.perf_counter()
     step = batch_step(stack)
-    best = max_batch(workload, spec, stack, args.mode, local, step=step,
-                     smallest=smallest_batch(stack, workload, args.mode))
+    best = max_batch(cell, step=step, smallest=smallest_batch(stack, cell.workload, args.mode))
     if best == 0:
         print(f"FAIL: no batch of {args.workload} {args.size} {args.technique} fits {local.id}: nothing to bracket")
         return 1
-    projected = project(workload, spec, stack, args.mode, best, local).memory
+    projected = project(cell.with_batch(best)).memory
     by_freeing = " (fits only by the allocator freeing its cache)" if projected.fits_by_freeing_cache else ""
     print(f"{local.id}: projected largest batch {best} for {args.workload} {args.size} {args.technique} "
           f"{args.mode} ({time.perf_counter() - started:.1f} s): allocated {projected.peak_allocated / 2**20:,.0f} "
@@ -57,13 +54,13 @@ def main(argv: list[str]) -> int:
     # The larger batch: at least 10% more, and one the projection itself says does not fit (fit is not
     # monotonic in the batch: the allocator's size classes change the fragmentation).
     over = math.ceil(best * 1.1 / step) * step
-    while project(workload, spec, stack, args.mode, over, local).memory.fits:
+    while project(cell.with_batch(over)).memory.fits:
         over += step
-    options = RunOptions(run_id="fit-check", cell_timeout_s=30,
+    options = RunnerOptions(run_id="fit-check", cell_timeout_s=30,
                          settings=MeasureSettings(warmup=1, steps=10, repeats=1))
     statuses = {}
     for batch in (best, over):
-        record = run_isolated(Cell(args.workload, args.size, args.mode, stack.name, local.id, batch), options)
+        record = run_isolated(cell.with_batch(batch), options)
         statuses[batch] = record.status
         detail = (f"peak reserved {record.peak_reserved_bytes / 2**20:,.0f} MiB, "
                   f"{record.alloc_retries} allocator retries" if record.peak_reserved_bytes else record.reason[:200])

@@ -16,6 +16,7 @@ import math
 import warnings
 from typing import NamedTuple
 
+from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.project import project
 from harness.project.roofline import EFFICIENCY, estimate
@@ -60,11 +61,11 @@ ROWS = [
 def projections(profiles):
     out = []
     for row in ROWS:
-        workload = WORKLOADS[row.workload]
-        spec = workload.sizes[row.size]
+        spec = WORKLOADS[row.workload].sizes[row.size]
         if row.seq_len:
             spec = dataclasses.replace(spec, seq_len=row.seq_len)
-        out.append((row, project(workload, spec, parse_stack(row.stack), "train", row.batch, profiles[row.gpu])))
+        cell = Cell(row.workload, row.size, "train", parse_stack(row.stack).name, row.gpu, row.batch, "projected")
+        out.append((row, project(cell.resolve(profiles, spec=spec))))
     return out
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from harness.plan import Cell, expand
+from harness.cell import Cell
+from harness.plan import expand
 from harness.profiles import load_profiles
-from harness.project import project_cell
+from harness.runner import RunnerOptions, run_cell
 from suites.techniques import technique_names
 from suites.workloads import WORKLOADS
 
@@ -19,19 +20,19 @@ from suites.workloads import WORKLOADS
 def main() -> None:
     profiles = load_profiles()
     started = time.perf_counter()
-    record = project_cell(Cell("gpt", "gpt3-175b", "train", "amp-bf16", "h100-sxm", 1, source="projected"),
-                          profiles["h100-sxm"], "speed")
+    options = RunnerOptions(run_id="speed")
+    record = run_cell(Cell("gpt", "gpt3-175b", "train", "amp-bf16", "h100-sxm", 1, source="projected"), profiles,
+                      options)
     elapsed = time.perf_counter() - started
     print(f"gpt3-175b train amp-bf16 on h100-sxm: {elapsed:.1f} s (target < 10 s): {record.status}, "
           f"peak {record.peak_allocated_bytes / 2**30:,.0f} GiB -> {'PASS' if elapsed < 10 else 'FAIL'}")
 
     gpus = [p for p in profiles.values() if p.vendor != "cpu"]
-    cells = expand(list(WORKLOADS), technique_names(), gpus, ["train", "infer"], scale="standard")
+    cells = expand(list(WORKLOADS), technique_names(), gpus, ["train", "infer"], scale="standard", source="projected")
     started = time.perf_counter()
     statuses = Counter()
     for cell in cells:
-        reason = cell.stack.check(profiles[cell.gpu], WORKLOADS[cell.workload], cell.mode)
-        statuses["unsupported" if reason else project_cell(cell, profiles[cell.gpu], "speed").status] += 1
+        statuses[run_cell(cell, profiles, options).status] += 1
     elapsed = time.perf_counter() - started
     print(f"default matrix: {len(cells)} cells ({len(WORKLOADS)} workloads at canonical sizes x "
           f"{len(technique_names())} stacks x 2 modes x {len(gpus)} GPUs) in {elapsed:.1f} s "

@@ -1,206 +1,106 @@
-"""Measure one cell in this process: build, transform, warm up, measure memory, time, and make its row.
+"""Cells: one benchmark each, named (`Cell`, what a plan lists and a results folder keys on) and
+resolved once (`ResolvedCell`, what measurement and projection both take).
 
-`python -m harness.cell SPEC.json RESULT.json` is what the runner starts in a fresh process per
-cell, so allocator settings apply before the device starts and an OOM or crash stays contained.
+A cell is the smallest unit that is run (in its own process), recorded and resumed. Resolving it
+looks up its workload, size, technique stack and GPU profile and asks the stack whether it can run
+there; nothing downstream looks a name up again.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import resource
-import socket
-import sys
-import time
-import traceback
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from pathlib import Path
+import dataclasses
+import re
+from dataclasses import asdict, dataclass
 
-import torch
-
-from harness.measure.memory import probe_for
-from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
-from harness.measure.timing import time_steps
-from harness.metrics import speed_and_cost
-from harness.model_flops import analytic_flops_per_sample, model_flops_per_sample
-from harness.plan import Cell
-from harness.profiles import GpuProfile, load_profiles
-from harness.provenance import git_sha, nvml_info
-from harness.records import DEFAULT_NOISE_THRESHOLD, Record, atomic_write_text
-from suites.step import Step
-from suites.techniques import Run, Unsupported
+from harness.profiles import GpuProfile, unknown_name
+from suites.techniques import Stack, parse_stack
 from suites.workloads import get_workload
-from suites.workloads.base import count_parameters
+from suites.workloads.base import SizeSpec, Workload
 
-# Extra warm-up steps allowed for fp16 loss scaling to settle (each overflow halves the scale).
-MAX_SCALER_WARMUP = 30
+MODES = ("train", "infer")
 
 
 @dataclass(frozen=True)
-class MeasureSettings:
-    """How hard to measure: warm-up steps, timed steps per repeat, repeats, and when a cell is noisy."""
+class Cell:
+    """One benchmark by name: what runs (workload, size, mode, stack, batch) and where (GPU profile id)."""
 
-    warmup: int = 2
-    steps: int = 10
-    repeats: int = 3
-    seed: int = 0
-    noise_threshold: float = DEFAULT_NOISE_THRESHOLD
+    workload: str
+    size: str
+    mode: str
+    technique: str
+    gpu: str
+    batch_size: int
+    source: str = "measured"  # or "projected": computed from a trace, no device needed
 
+    @property
+    def cell_id(self) -> str:
+        """A filesystem-safe, unique and stable name: the key for resuming."""
+        raw = f"{self.workload}__{self.size}__{self.mode}__{self.technique}__{self.gpu}__b{self.batch_size}"
+        if self.source != "measured":
+            raw += f"__{self.source}"
+        return re.sub(r"[^A-Za-z0-9_.+-]", "_", raw)
 
-class RestartWithEnvironment(Exception):
-    """The stack sets environment variables this process did not start with.
+    def to_dict(self) -> dict:
+        return asdict(self)
 
-    Allocator settings are read before any technique runs: the backend (`cudaMallocAsync`) when the
-    CUDA library loads with `import torch`, the rest when the device starts (c10/cuda's
-    CUDAAllocatorConfig). So the cell's process starts again with them (`main`)."""
+    def describe(self) -> str:
+        return (f"{self.workload} {self.size} {self.mode} {self.technique} on {self.gpu} (batch {self.batch_size})"
+                f"{' [projected]' if self.source == 'projected' else ''}")
 
-    def __init__(self, env: dict[str, str]) -> None:
-        super().__init__(f"restart with {env}")
-        self.env = env
-
-
-# Set in a cell process that restarted with its stack's environment: a second restart would loop.
-RESTARTED = "HEADROOM_CELL_RESTARTED"
-
-
-def base_record(cell: Cell, run_id: str, source: str, status: str, reason: str = "", **values) -> Record:
-    """A row with the cell's identity and provenance filled in."""
-    workload = get_workload(cell.workload)
-    spec = workload.sizes.get(cell.size)
-    return Record(
-        run_id=run_id, workload=cell.workload, size=cell.size, mode=cell.mode, technique=cell.technique,
-        gpu=cell.gpu, source=source, status=status, reason=reason, cell_id=cell.cell_id,
-        batch_size=cell.batch_size, image_size=spec.image_size if spec else None,
-        accuracy_metric=workload.accuracy_metric or None, torch_version=torch.__version__,
-        cuda_version=torch.version.cuda if torch.cuda.is_available() else None, git_sha=git_sha(),
-        hostname=socket.gethostname(), created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        **{"seq_len": spec.seq_len if spec else None, **values})
-
-
-def failure_status(exc: BaseException) -> str:
-    """`oom` for out-of-memory errors on any device, `error` for everything else."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return "oom"
-    text = str(exc)
-    # cuBLAS and cuDNN report their own allocation failures near the memory limit (CUBLAS_STATUS_ALLOC_FAILED,
-    # CUDNN_STATUS_ALLOC_FAILED) as RuntimeErrors, not OutOfMemoryError.
-    if "out of memory" in text.lower() or "can't allocate memory" in text or "_STATUS_ALLOC_FAILED" in text:
-        return "oom"
-    return "error"
+    def resolve(self, profiles: dict[str, GpuProfile], spec: SizeSpec | None = None) -> ResolvedCell:
+        """Look every name up once; ValueError (one line) for an unknown one. `spec` replaces the
+        size's table entry (a sequence length the user chose, a depth traced for extrapolation)."""
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r} (valid: {', '.join(MODES)})")
+        if self.gpu not in profiles:
+            raise ValueError(unknown_name("GPU profile id", self.gpu, sorted(profiles)))
+        workload = get_workload(self.workload)
+        spec = spec or workload.size(self.size)
+        stack = parse_stack(self.technique)
+        profile = profiles[self.gpu]
+        return ResolvedCell(self, workload, spec, stack, profile, stack.check(profile, workload, self.mode))
 
 
-def measure_cell(cell: Cell, profile: GpuProfile, run_id: str, settings: MeasureSettings) -> Record:
-    """Run and measure one cell on the local device; exceptions propagate to the caller."""
-    started = time.perf_counter()
-    workload = get_workload(cell.workload)
-    spec = workload.sizes[cell.size]
-    stack = cell.stack
-    device = torch.device("cuda" if profile.vendor != "cpu" else "cpu")
-    torch.manual_seed(settings.seed)
-    generator = torch.Generator().manual_seed(settings.seed)
+@dataclass(frozen=True)
+class ResolvedCell:
+    """A cell with its names looked up: the objects measurement, projection and the row builder use.
 
-    probe = probe_for(device)
-    with probe:
-        model = workload.build(spec)
-        run = Run(workload=workload, size=spec, mode=cell.mode, profile=profile, model=model,
-                  batch_size=cell.batch_size)
-        try:
-            stack.apply(run)
-        except Unsupported as exc:
-            return base_record(cell, run_id, "measured", "unsupported", str(exc), device_name=profile.name)
-        unset = {name: value for name, value in run.env.items() if os.environ.get(name) != value}
-        if unset:
-            raise RestartWithEnvironment(unset)
-        run.model = run.model.to(device)
-        step = Step(run, device)
-        batch = {k: v.to(device) for k, v in workload.batch(spec, cell.batch_size, generator).items()}
-        for _ in range(settings.warmup):
-            step(batch)
-        # fp16 loss scaling starts at 2**16 and skips the optimizer step while gradients overflow; warm
-        # up until a step was really taken, or the optimizer state (and its memory) would be missing.
-        for _ in range(MAX_SCALER_WARMUP):
-            if step.optimizer is None or step.optimizer.state:
-                break
-            step(batch)
-        probe.begin_measured_step()
-        loss = step(batch, mark=probe.mark)
-        probe.end_measured_step()
-    reading = probe.reading()
-    if cell.mode == "train" and not torch.isfinite(loss).all():
-        return base_record(cell, run_id, "measured", "error", f"non-finite loss {loss.item()}",
-                           device_name=profile.name)
+    Attributes:
+        cell: the named cell (identity of the row).
+        workload, spec, stack, profile: what the names stand for (`spec` may differ from the size
+            table's entry, e.g. in sequence length).
+        unsupported: the support verdict: None, or why the stack cannot run here.
+    """
 
-    timing = time_steps(lambda: step(batch), settings.steps, settings.repeats, device)
+    cell: Cell
+    workload: Workload
+    spec: SizeSpec
+    stack: Stack
+    profile: GpuProfile
+    unsupported: str | None = None
 
-    live = reading.live_at
-    if cell.mode == "train" and "forward_start" in live and "forward_end" in live:
-        # What one micro-batch's forward leaves alive for backward: saved tensors and the loss.
-        activations = live["forward_end"][0] - live["forward_start"][0]
-    elif "forward" in reading.peak_in and "forward_start" in live:
-        # Inference keeps nothing for backward: its activations are the forward's transient peak.
-        activations = reading.peak_in["forward"] - live["forward_start"][0]
-    else:
-        activations = None
+    @property
+    def mode(self) -> str:
+        return self.cell.mode
 
-    throughput = timing.throughput(cell.batch_size)
-    try:
-        flops_per_sample = model_flops_per_sample(workload, spec, stack, cell.mode, profile)
-    except Exception as exc:  # a finished measurement must not be lost to its MFU's numerator
-        flops_per_sample = analytic_flops_per_sample(workload, spec, cell.mode)
-        run.notes.append(f"model FLOPs of the model as built, not as transformed ({type(exc).__name__}: {exc})")
-    derived = speed_and_cost(profile, run.precision, flops_per_sample, throughput, spec.seq_len,
-                             convolutional=workload.kind == "vision")
-    # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return base_record(
-        cell, run_id, "measured", "ok", precision=run.precision, device_name=_device_name(device),
-        peak_allocated_bytes=reading.peak_allocated, peak_reserved_bytes=reading.peak_reserved,
-        process_peak_rss_bytes=rss, params_bytes=parameter_bytes(run.model),
-        grads_bytes=gradient_bytes(run.model) if cell.mode == "train" else None,
-        optimizer_bytes=optimizer_state_bytes(step.optimizer), activations_bytes=activations,
-        param_count=count_parameters(run.model),
-        step_time_ms_p50=timing.percentile_ms(0.5), step_time_ms_p90=timing.percentile_ms(0.9),
-        step_time_cv=timing.cv, noisy=timing.cv > settings.noise_threshold if timing.cv is not None else None,
-        timed_steps=len(timing.step_s), throughput_samples_s=throughput,
-        flops_per_step=flops_per_sample * cell.batch_size, **derived,
-        alloc_retries=reading.alloc_retries, allocator=reading.allocator,
-        driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
-        wall_time_s=time.perf_counter() - started, notes="; ".join(run.notes))
+    @property
+    def batch_size(self) -> int:
+        return self.cell.batch_size
 
+    @property
+    def source(self) -> str:
+        return self.cell.source
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu x{torch.get_num_threads()} threads"
+    def with_batch(self, batch_size: int) -> ResolvedCell:
+        """The same cell at another batch."""
+        return dataclasses.replace(self, cell=dataclasses.replace(self.cell, batch_size=batch_size))
 
+    def with_spec(self, spec: SizeSpec) -> ResolvedCell:
+        """The same cell with another size entry (another size, a traced depth, a chosen sequence length)."""
+        return dataclasses.replace(self, cell=dataclasses.replace(self.cell, size=spec.name), spec=spec)
 
-def main(argv: list[str]) -> int:
-    """Child-process entry: read the cell spec, measure, write the row; failures become rows too."""
-    spec_path, result_path = argv
-    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-    cell = Cell(**spec["cell"])
-    try:
-        profiles = load_profiles(spec.get("profiles_dir"))
-        settings = MeasureSettings(**spec["settings"])
-        record = measure_cell(cell, profiles[cell.gpu], spec["run_id"], settings)
-    except RestartWithEnvironment as restart:
-        if os.environ.get(RESTARTED):
-            record = base_record(cell, spec["run_id"], "measured", "error",
-                                 f"the stack's environment {restart.env} did not hold after a restart")
-        else:
-            # The same command line (`sys.orig_argv`: tests run other entry modules) in a fresh image.
-            try:
-                os.execve(sys.executable, sys.orig_argv, {**os.environ, **restart.env, RESTARTED: "1"})
-            except OSError as exc:
-                record = base_record(cell, spec["run_id"], "measured", "error",
-                                     f"could not restart with the stack's environment: {exc}")
-    except BaseException as exc:  # the row must say what happened, whatever it was
-        detail = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[0][:500]
-        record = base_record(cell, spec["run_id"], "measured", failure_status(exc), detail)
-    atomic_write_text(Path(result_path), json.dumps(record.to_dict()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    def with_stack(self, stack: Stack) -> ResolvedCell:
+        """The same cell under another stack (its support verdict re-asked)."""
+        cell = dataclasses.replace(self.cell, technique=stack.name)
+        return dataclasses.replace(self, cell=cell, stack=stack,
+                                   unsupported=stack.check(self.profile, self.workload, self.mode))

@@ -7,10 +7,8 @@ User errors (unknown names, bad files, unwritable folders) print one line and ex
 from __future__ import annotations
 
 import argparse
-import secrets
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -40,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="measure cells on this machine and write results + report")
-    run.add_argument("--workload", type=_csv, default=None, help="comma-separated (default: all)")
+    run.add_argument("--workload", type=_csv, default=None, help="comma-separated (default: all built-in ones, "
+                     "or none when --model / --hf-config name your own)")
+    _add_user_model_flags(run)
     run.add_argument("--size", type=_csv, default=None, help="comma-separated size ids (default: by --scale)")
     run.add_argument("--technique", type=_csv, default=None, metavar="STACK,...",
                      help="technique stacks such as baseline,amp-bf16+checkpointing or recipes such as small-model; "
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-report", action="store_true", help="do not write report.html")
 
     project = sub.add_parser("project", help="project one cell onto a GPU profile (no GPU needed)")
-    project.add_argument("--workload", default="gpt")
+    project.add_argument("--workload", default=None, help="default: gpt, or your own model's")
+    _add_user_model_flags(project)
     project.add_argument("--size", default=None, help="size id (default: the workload's canonical size)")
     project.add_argument("--gpu", required=True, help="profile id")
     project.add_argument("--technique", default="baseline", metavar="STACK")
@@ -91,6 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_user_model_flags(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--model", action="append", default=[], metavar="MODULE:FACTORY",
+                         help="your own model: a function returning an nn.Module, an example batch and its loss "
+                              "(README, 'Your own model'); repeatable")
+    command.add_argument("--hf-config", action="append", default=[], type=Path, metavar="CONFIG.json",
+                         help="a Hugging Face Transformers architecture built from its config with random weights "
+                              "(needs `pip install 'headroom[hf]'`); repeatable")
+
+
+def _user_workloads(args) -> list[str]:
+    """The workload names `--model` and `--hf-config` stand for (suites/workloads: user.py, hf.py)."""
+    return [f"model:{factory}" for factory in args.model] + [f"hf:{path.resolve()}" for path in args.hf_config]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
@@ -114,63 +129,40 @@ def _profiles(args):
 
 
 def cmd_run(args) -> int:
-    import dataclasses
-
     from rich.console import Console
 
-    from harness.cell import MeasureSettings
-    from harness.plan import DEFAULT_STACKS, expand
+    from harness.measure.local import MeasureSettings
+    from harness.plan import plan_run
     from harness.profiles import detect_local, resolve_gpus
-    from harness.records import DEFAULT_NOISE_THRESHOLD, ResultsStore
-    from harness.run import DEFAULT_CELL_TIMEOUT_S, RunOptions, run_plan
-    from suites.techniques import stack_names
-    from suites.workloads import WORKLOADS
+    from harness.records import DEFAULT_NOISE_THRESHOLD, ResultsStore, new_run_id
+    from harness.runner import DEFAULT_CELL_TIMEOUT_S, RunnerOptions, run_plan
 
     console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
     profiles = _profiles(args)
     local = detect_local(profiles)
     gpus = resolve_gpus(args.gpu, profiles) if args.gpu else [local]
-    foreign = [g for g in gpus if g.id != local.id]
-    if foreign and args.require_device:
-        raise UsageError(f"--require-device: no {', '.join(g.id for g in foreign)} on this machine "
-                         f"(local device: {local.id}); run without it to project instead")
     if args.steps < 10:
         raise UsageError(f"--steps must be at least 10 timed steps, got {args.steps}")
     if args.repeats < 1 or args.warmup < 0:
         raise UsageError("--repeats must be >= 1 and --warmup >= 0")
-    workloads = args.workload or list(WORKLOADS)
-    if args.technique == ["all"]:
-        stacks = stack_names()
-    else:
-        stacks = args.technique or list(DEFAULT_STACKS)
-    scale = args.scale or ("smoke" if local.vendor == "cpu" else "standard")
-    measured = expand(workloads, stacks, [g for g in gpus if g.id == local.id], args.mode, scale=scale,
-                      sizes=args.size, batch_size=args.batch_size)
-    # Every measured cell gets a projected twin (the projection's error is then known); GPUs this
-    # machine lacks are projected at their canonical sizes unless --scale/--size say otherwise.
-    projected = [dataclasses.replace(c, source="projected") for c in measured]
-    if foreign:
-        projected += [dataclasses.replace(c, source="projected") for c in
-                      expand(workloads, stacks, foreign, args.mode, scale=args.scale or "standard", sizes=args.size,
-                             batch_size=args.batch_size)]
-    cells = measured + projected
-    run_id = datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-    out = args.out or Path("results") / run_id
-    if args.resume and not (out / "cells").is_dir():
-        raise UsageError(f"--resume: {out} holds no earlier run (no cells/ folder)")
-    earlier = len(list((out / "cells").glob("*.json"))) if (out / "cells").is_dir() else 0
-    if earlier and not args.resume:
-        # Its rows would be folded into this run's frame and report under another run id.
-        raise UsageError(f"{out} already holds a run ({earlier} cells): pass --resume to continue it, "
-                         "or choose another --out")
-    store = ResultsStore(out)
-    store.prepare()
-    options = RunOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
+    plan = plan_run(local, gpus, workloads=(args.workload or []) + _user_workloads(args) or None,
+                    stacks=args.technique, modes=args.mode, scale=args.scale,
+                    sizes=args.size, batch_size=args.batch_size)
+    if plan.foreign and args.require_device:
+        raise UsageError(f"--require-device: no {', '.join(g.id for g in plan.foreign)} on this machine "
+                         f"(local device: {local.id}); run without it to project instead")
+    measured, projected, foreign, cells = plan.measured, plan.projected, plan.foreign, plan.cells
+    run_id = new_run_id()
+    store = ResultsStore(args.out or Path("results") / run_id)
+    run_id = store.open(run_id, resume=args.resume)
+    out = store.root
+    options = RunnerOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
                          settings=MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats,
                                                   noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD),
                          profiles_dir=args.profiles)
-    console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), scale {scale}; "
-                  f"{len(projected)} projected cells" + (f" (scale {args.scale or 'standard'} for other GPUs)"
+    console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), "
+                  f"scale {plan.scale}; {len(projected)} projected cells" + (f" (scale {plan.projected_scale} "
+                                                                              "for other GPUs)"
                                                          if foreign else "") + f" -> {out}")
     if foreign:
         console.print(f"PROJECTED: {', '.join(g.id for g in foreign)} not on this machine (local device: {local.id}); "
@@ -205,67 +197,25 @@ def cmd_run(args) -> int:
 
 
 def cmd_project(args) -> int:
-    import dataclasses
     import json
 
-    from harness.plan import MODES, Cell
-    from harness.profiles import unknown_name
-    from harness.project import MAX_BATCH_LIMIT, batch_step, largest_model, max_batch, project_cell, smallest_batch
-    from suites.techniques import Unsupported, parse_stack
-    from suites.workloads import get_workload
+    from harness.project.query import ProjectRequest, largest_model_answer, projected_row
 
+    user = _user_workloads(args)
+    if len(user) + bool(args.workload) > 1:
+        raise UsageError("project answers for one model: give one of --workload, --model, --hf-config")
+    request = ProjectRequest(workload=args.workload or (user[0] if user else "gpt"), gpu=args.gpu, technique=args.technique, mode=args.mode,
+                             size=args.size, batch_size=args.batch_size, max_batch=args.max_batch,
+                             seq_len=args.seq_len)
     profiles = _profiles(args)
-    if args.gpu not in profiles:
-        raise UsageError(unknown_name("GPU profile id", args.gpu, sorted(profiles)))
-    profile = profiles[args.gpu]
-    if args.mode not in MODES:
-        raise UsageError(f"unknown mode {args.mode!r} (valid: {', '.join(MODES)})")
-    workload = get_workload(args.workload)
-    stack = parse_stack(args.technique)
     if args.largest_model:
-        ignored = [flag for flag, value in (("--size", args.size), ("--batch-size", args.batch_size),
-                                            ("--max-batch", args.max_batch or None), ("--seq-len", args.seq_len))
-                   if value is not None]
-        if ignored:
-            raise UsageError(f"--largest-model searches every size of {workload.name} at its smallest batch: "
-                             f"drop {', '.join(ignored)}")
-        answer = largest_model(profile, stack, args.mode, workload.name)
-        result = {"gpu": profile.id, "workload": workload.name, "technique": stack.name, "mode": args.mode,
-                  "largest_size_that_fits": answer.size, "batch_size": answer.batch_size,
-                  "reason": answer.reason}
-        print(json.dumps(result) if args.format == "json" else
-              f"{profile.id}: largest {workload.name} that fits ({stack.name}, {args.mode}, "
-              f"batch {answer.batch_size}): {answer.size or 'none'}" + (f" ({answer.reason})" if answer.reason else ""))
+        answer = largest_model_answer(request, profiles)
+        print(json.dumps(answer) if args.format == "json" else
+              f"{answer['gpu']}: largest {answer['workload']} that fits ({answer['technique']}, {answer['mode']}, "
+              f"batch {answer['batch_size']}): {answer['largest_size_that_fits'] or 'none'}"
+              + (f" ({answer['reason']})" if answer["reason"] else ""))
         return 0
-    spec = workload.size(args.size) if args.size else next(iter(workload.sizes_at("standard")))
-    if args.seq_len is not None:
-        if spec.seq_len is None:
-            raise UsageError(f"--seq-len applies to language models; {workload.name} takes images")
-        limit = spec.config.get("block_size") or spec.config.get("max_positions")
-        if args.seq_len < 1 or (limit and args.seq_len > limit):
-            raise UsageError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {args.seq_len}")
-        spec = dataclasses.replace(spec, seq_len=args.seq_len)
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UsageError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    step, least = batch_step(stack), smallest_batch(stack, workload, args.mode)
-    notes = []
-    batch_size = spec.batch_size if args.batch_size is None else args.batch_size
-    if args.max_batch:
-        if profile.vendor == "cpu" or profile.capacity_bytes is None:
-            raise UsageError(f"--max-batch needs a profile with a memory size to fit in; {profile.id} has none "
-                             "(the host's memory is not modelled): pick a GPU profile")
-        if not stack.check(profile, workload, args.mode):  # an unsupported stack is reported as such below
-            try:
-                batch_size = max_batch(workload, spec, stack, args.mode, profile, step=step,
-                                       smallest=least) or least
-            except Unsupported:
-                pass  # raised by the stack at this size: project_cell reports it
-            if batch_size >= MAX_BATCH_LIMIT:
-                notes.append(f"--max-batch stopped at its search limit {MAX_BATCH_LIMIT}: a larger batch may fit")
-    cell = Cell(workload.name, spec.name, args.mode, stack.name, profile.id, batch_size)
-    record = project_cell(cell, profile, run_id="project", spec=spec)
-    row = record.to_dict()
-    row["notes"] = "; ".join(filter(None, [row.get("notes"), *notes]))
+    row = projected_row(request, profiles).to_dict()
     if args.format == "json":
         print(json.dumps(row))
     else:

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from harness.cell import ResolvedCell
 from suites.techniques import Run, Stack
 from suites.techniques.base import Phase
 from suites.workloads.base import SizeSpec, Workload
@@ -27,33 +28,37 @@ def analytic_flops_per_sample(workload: Workload, spec: SizeSpec, mode: str) -> 
     return workload.train_flops_per_sample(spec) if mode == "train" else workload.forward_flops_per_sample(spec)
 
 
-def model_flops_per_sample(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile) -> float:
-    """Analytic FLOPs per sample of the model `stack` builds (forward + backward in training)."""
+def model_flops_per_sample(cell: ResolvedCell) -> float:
+    """Analytic FLOPs per sample of the model the cell's stack builds (forward + backward in training)."""
+    workload, spec, mode = cell.workload, cell.spec, cell.mode
     analytic = analytic_flops_per_sample(workload, spec, mode)
-    structure = tuple(t for t in stack.techniques if t.phase == Phase.STRUCTURE)
+    structure = tuple(t for t in cell.stack.techniques if t.phase == Phase.STRUCTURE)
     if not structure:
         return analytic
-    size_key = (workload.name, spec.name, tuple(sorted(spec.config.items())), spec.seq_len, spec.image_size)
-    as_built = _counted(size_key, workload, spec, Stack(()), mode, profile)
+    as_built = _counted(cell, Stack(()))
     if not as_built:
         return analytic
-    return analytic * _counted(size_key, workload, spec, Stack(structure), mode, profile) / as_built
+    return analytic * _counted(cell, Stack(structure)) / as_built
 
 
+BASELINE = Stack(())
 # (size, stack, mode) -> one forward's counted FLOPs: each model is counted once per process (the
 # model as built once for both modes: an empty stack does not depend on it).
 _COUNTED: dict[tuple, float] = {}
 
 
-def _counted(size_key: tuple, workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile) -> float:
-    key = (size_key, stack.name, mode if stack.techniques else None)
+def _counted(cell: ResolvedCell, stack: Stack) -> float:
+    spec = cell.spec
+    size_key = (cell.workload.name, spec.name, tuple(sorted(spec.config.items())), spec.seq_len, spec.image_size)
+    key = (size_key, stack.name, cell.mode if stack.techniques else None)
     if key not in _COUNTED:
-        _COUNTED[key] = _forward_flops(workload, spec, stack, mode, profile)
+        _COUNTED[key] = forward_flops(cell.workload, spec, stack, cell.mode, cell.profile)
     return _COUNTED[key]
 
 
-def _forward_flops(workload: Workload, spec: SizeSpec, stack: Stack, mode: str, profile) -> float:
-    """FLOPs of one forward of one sample through the model `stack` builds."""
+def forward_flops(workload: Workload, spec: SizeSpec, stack: Stack = BASELINE, mode: str = "infer",
+                  profile=None) -> float:
+    """FLOPs of one forward of one sample through the model `stack` builds, counted by FlopCounterMode."""
     # Fake tensors: no memory and no real compute, so a large model counts in seconds.
     with FakeTensorMode(allow_non_fake_inputs=False):
         run = Run(workload=workload, size=spec, mode=mode, profile=profile, model=workload.build(spec),

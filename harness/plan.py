@@ -1,58 +1,30 @@
-"""Plans: expand workloads x sizes x modes x technique stacks x GPUs into cells, and check support.
-
-A cell is one benchmark: the smallest unit that is run (in its own process), recorded and resumed.
+"""Plans: expand workloads x sizes x modes x technique stacks x GPUs into cells (harness/cell.py), and
+decide what a `headroom run` measures and projects.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass
+import dataclasses
+from dataclasses import dataclass
 
+from harness.cell import MODES, Cell
 from harness.profiles import GpuProfile
-from suites.techniques import Stack, parse_stack
-from suites.workloads import get_workload
+from suites.techniques import parse_stack, stack_names
+from suites.workloads import WORKLOADS, get_workload
 from suites.workloads.base import SCALES
 
-MODES = ("train", "infer")
 # The default suite (`headroom run` / `nox -s bench` without --technique): the guide's first-line
 # techniques, sized to finish in minutes on a CPU. `--technique all` runs every technique and recipe.
 DEFAULT_STACKS = ("baseline", "amp-bf16", "amp-fp16", "checkpointing", "grad-accumulation")
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One benchmark: what runs (workload, size, mode, stack, batch) and where (GPU profile id)."""
-
-    workload: str
-    size: str
-    mode: str
-    technique: str
-    gpu: str
-    batch_size: int
-    source: str = "measured"  # or "projected": computed from a trace, no device needed
-
-    @property
-    def cell_id(self) -> str:
-        """A filesystem-safe, unique and stable name: the key for resuming."""
-        raw = f"{self.workload}__{self.size}__{self.mode}__{self.technique}__{self.gpu}__b{self.batch_size}"
-        if self.source != "measured":
-            raw += f"__{self.source}"
-        return re.sub(r"[^A-Za-z0-9_.+-]", "_", raw)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def stack(self) -> Stack:
-        return parse_stack(self.technique)
-
-    def describe(self) -> str:
-        return (f"{self.workload} {self.size} {self.mode} {self.technique} on {self.gpu} (batch {self.batch_size})"
-                f"{' [projected]' if self.source == 'projected' else ''}")
+# Sizes measured when --scale is not given: seconds per cell on a CPU, the canonical sizes on a GPU;
+# GPUs this machine lacks are projected at the canonical sizes.
+DEFAULT_LOCAL_SCALE = {True: "smoke", False: "standard"}  # keyed by "the local device is a CPU"
+DEFAULT_PROJECTED_SCALE = "standard"
 
 
 def expand(workloads: list[str], stacks: list[str], gpus: list[GpuProfile], modes: list[str],
-           scale: str = "smoke", sizes: list[str] | None = None, batch_size: int | None = None) -> list[Cell]:
+           scale: str = "smoke", sizes: list[str] | None = None, batch_size: int | None = None,
+           source: str = "measured") -> list[Cell]:
     """Every combination, in a stable order. Sizes default to the workload's sizes at `scale`.
 
     Explicit `sizes` are kept for the workloads that define them; a size no requested workload
@@ -81,10 +53,45 @@ def expand(workloads: list[str], stacks: list[str], gpus: list[GpuProfile], mode
                 for stack in canonical:
                     for gpu in gpus:
                         cells.append(Cell(workload.name, spec.name, mode, stack, gpu.id,
-                                          batch_size or spec.batch_size))
+                                          batch_size or spec.batch_size, source))
     return list(dict.fromkeys(cells))
 
 
-def support_reason(cell: Cell, profile: GpuProfile) -> str | None:
-    """Why this cell cannot run on its profile (from the stack's checks), or None."""
-    return cell.stack.check(profile, get_workload(cell.workload), cell.mode)
+@dataclass(frozen=True)
+class RunPlan:
+    """What a `headroom run` does: cells measured here, cells projected (every measured cell's twin,
+    then the GPUs this machine lacks), and at which scales."""
+
+    measured: list[Cell]
+    projected: list[Cell]
+    local: GpuProfile
+    foreign: list[GpuProfile]
+    scale: str
+    projected_scale: str
+
+    @property
+    def cells(self) -> list[Cell]:
+        return self.measured + self.projected
+
+
+def plan_run(local: GpuProfile, gpus: list[GpuProfile], workloads: list[str] | None = None,
+             stacks: list[str] | None = None, modes: list[str] | None = None, scale: str | None = None,
+             sizes: list[str] | None = None, batch_size: int | None = None) -> RunPlan:
+    """The cells of a run on a machine whose device is `local`, asked for `gpus`.
+
+    Every measured cell gets a projected twin (so the projection's error is known); GPUs this machine
+    lacks are projected, at the canonical sizes unless `scale` or `sizes` say otherwise. `stacks`
+    ['all'] means every technique and recipe."""
+    workloads = workloads or list(WORKLOADS)
+    stacks = stack_names() if stacks == ["all"] else (stacks or list(DEFAULT_STACKS))
+    modes = modes or list(MODES)
+    local_scale = scale or DEFAULT_LOCAL_SCALE[local.vendor == "cpu"]
+    foreign = [g for g in gpus if g.id != local.id]
+    measured = expand(workloads, stacks, [g for g in gpus if g.id == local.id], modes, scale=local_scale,
+                      sizes=sizes, batch_size=batch_size)
+    projected = [dataclasses.replace(c, source="projected") for c in measured]
+    projected_scale = scale or DEFAULT_PROJECTED_SCALE
+    if foreign:
+        projected += expand(workloads, stacks, foreign, modes, scale=projected_scale, sizes=sizes,
+                            batch_size=batch_size, source="projected")
+    return RunPlan(measured, projected, local, foreign, local_scale, projected_scale)

@@ -12,8 +12,10 @@ import csv
 import dataclasses
 import json
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass, fields
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +218,11 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def new_run_id() -> str:
+    """A run's id: when it started, and a random suffix so two runs started together differ."""
+    return datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
 class ResultsStore:
     """A results folder: `cells/<cell_id>.json` per finished cell, plus the frame built from them."""
 
@@ -237,6 +244,26 @@ class ResultsStore:
     def done(self) -> set[str]:
         """Cell ids already recorded."""
         return {p.stem for p in self.cells_dir.glob("*.json")}
+
+    def open(self, run_id: str, resume: bool = False) -> str:
+        """Make the folder ready for the run `run_id` and return the id its rows go under: with `resume`,
+        the id of the run it holds (so the resumed run's measured and projected twins pair up). A
+        folder holding a run is refused without `resume` (its rows would be folded into this run's
+        frame under another id), and `resume` is refused where there is nothing to resume."""
+        if resume and not self.cells_dir.is_dir():
+            raise ValueError(f"--resume: {self.root} holds no earlier run (no cells/ folder)")
+        earlier = len(list(self.cells_dir.glob("*.json"))) if self.cells_dir.is_dir() else 0
+        if earlier and not resume:
+            raise ValueError(f"{self.root} already holds a run ({earlier} cells): pass --resume to continue it, "
+                             "or choose another --out")
+        self.prepare()
+        return (self.recorded_run_id() if resume else None) or run_id
+
+    def recorded_run_id(self) -> str | None:
+        """The run id of the rows already here (a resumed run keeps it, so its twins pair up), or None."""
+        for path in sorted(self.cells_dir.glob("*.json")):
+            return json.loads(path.read_text(encoding="utf-8")).get("run_id")
+        return None
 
     def add(self, record: Record) -> None:
         atomic_write_text(self.cells_dir / f"{record.cell_id}.json", json.dumps(record.to_dict()))

@@ -1,5 +1,5 @@
-"""Twins: a projected row and the measured row of the same cell on the same device, and the
-projection's error against it (projected / measured - 1) for peak allocated, peak reserved and
+"""Twins: a projected row and the measured row of the same cell on the same device in the same run,
+and the projection's error against it (projected / measured - 1) for peak allocated, peak reserved and
 step time. The reserved figure compared is the one projected for the allocator setting the
 measured process ran under."""
 
@@ -9,6 +9,10 @@ import pandas as pd
 
 # What makes two rows the same cell on the same device.
 KEY = ("workload", "size", "mode", "technique", "gpu", "batch_size")
+# What makes a measured row a projected row's twin: the same cell in the same run (a run measures
+# the cell it projects; other runs of it, e.g. the GPU check's under other allocator settings, are
+# other pairs).
+TWIN_KEY = ("run_id", *KEY)
 # The projected reserved figure for each allocator setting a measured CUDA row can report.
 RESERVED_COLUMN = {"native": "peak_reserved_bytes", "expandable_segments": "peak_reserved_expandable_bytes",
                    "cudaMallocAsync": "peak_reserved_async_bytes"}
@@ -37,19 +41,26 @@ def twin_errors(projected: dict, measured: dict) -> dict[str, float | None]:
         step_time_error_vs_measured=relative_error(projected["step_time_ms_p50"], measured["step_time_ms_p50"]))
 
 
+def twin_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(projected, measured) for every ok projected row whose twin measured ok; the one definition of
+    a twin, used by the runner (to attach the errors) and by `twin_table`."""
+    ok = [row for row in rows if row["status"] == "ok"]
+    measured = {tuple(row[k] for k in TWIN_KEY): row for row in ok if row["source"] == "measured"}
+    pairs = []
+    for row in ok:
+        if row["source"] == "projected":
+            twin = measured.get(tuple(row[k] for k in TWIN_KEY))
+            if twin is not None:
+                pairs.append((row, twin))
+    return pairs
+
+
 def twin_table(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per projected cell that has an ok measured twin: the peaks, the measured step time,
     the twin's allocator setting and the three errors, from the pair itself (a run cut short never
     attaches the error columns)."""
-    ok = frame[frame["status"] == "ok"]
-    # Paired within a run: runs of the same cell under other allocator settings are other twins.
-    pairing = ("run_id", *KEY)
-    measured = {tuple(row[k] for k in pairing): row for row in ok[ok["source"] == "measured"].to_dict("records")}
     rows = []
-    for row in ok[ok["source"] == "projected"].to_dict("records"):
-        twin = measured.get(tuple(row[k] for k in pairing))
-        if twin is None:
-            continue
+    for row, twin in twin_pairs(frame.to_dict("records")):
         errors = twin_errors(row, twin)
         rows.append({**{k: row[k] for k in KEY},
                      "measured_peak_mib": _mib(twin["peak_allocated_bytes"]),

@@ -7,7 +7,7 @@ import sys
 SETTING = "HEADROOM_TEST_ALLOC_SETTING"
 SEEN_AT_START = os.environ.get(SETTING)  # read before anything imports torch
 
-from harness import cell  # noqa: E402  (after the read above, on purpose)
+from harness.measure import process  # noqa: E402  (after the read above, on purpose)
 from suites.techniques import TECHNIQUES  # noqa: E402
 from suites.techniques.base import Phase, Technique, always  # noqa: E402
 
@@ -22,4 +22,4 @@ TECHNIQUES["test-env"] = Technique(id="test-env", phase=Phase.RUNTIME, changes_n
                                    apply=_set_environment)
 
 if __name__ == "__main__":
-    sys.exit(cell.main(sys.argv[1:]))
+    sys.exit(process.main(sys.argv[1:]))

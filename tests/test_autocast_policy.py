@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import harness.project.trace as trace_module
+from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.project import traced
 from harness.project.autocast_policy import (
@@ -108,7 +109,7 @@ def test_gpu_projections_trace_with_the_cuda_lists(monkeypatch, workload_name, m
         return sum(cost.count for (phase, kind, dtype), cost in trace.costs.items()
                    if kind == "memory" and dtype == "float32")
 
-    cuda = traced(workload, spec, parse_stack("amp-bf16"), mode, 4, profile)
+    cuda = traced(Cell(workload_name, "smoke", mode, "amp-bf16", profile.id, 4).resolve(PROFILES))
     monkeypatch.setattr(trace_module, "cuda_autocast_policy", contextlib.nullcontext)
     host = trace_module.trace_step(
         lambda: _run(workload, spec, mode, profile), parse_stack("amp-bf16"), profile,

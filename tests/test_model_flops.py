@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from harness.model_flops import _forward_flops, model_flops_per_sample
+from harness.cell import Cell
+from harness.model_flops import forward_flops, model_flops_per_sample
 from harness.profiles import load_profiles
 from suites.techniques import Stack, parse_stack
 from suites.workloads import WORKLOADS
 
-H100 = load_profiles()["h100-sxm"]
+PROFILES = load_profiles()
+H100 = PROFILES["h100-sxm"]
 
 
 def _flops(technique: str, mode: str = "train", workload: str = "gpt") -> float:
-    spec = WORKLOADS[workload].sizes["smoke"]
-    return model_flops_per_sample(WORKLOADS[workload], spec, parse_stack(technique), mode, H100)
+    cell = Cell(workload, "smoke", mode, parse_stack(technique).name, H100.id, 2, source="projected")
+    return model_flops_per_sample(cell.resolve(PROFILES))
 
 
 @pytest.mark.parametrize("mode", ["train", "infer"])
@@ -42,5 +44,5 @@ def test_techniques_that_shrink_the_architecture_shrink_the_model_flops(workload
 def test_the_counted_forward_of_the_model_as_built_is_the_analytic_count(workload):
     # So the ratio scales like with like: attention included (counted on its math path).
     spec = WORKLOADS[workload].sizes["smoke"]
-    counted = _forward_flops(WORKLOADS[workload], spec, Stack(()), "infer", H100)
+    counted = forward_flops(WORKLOADS[workload], spec, Stack(()), "infer", H100)
     assert counted == pytest.approx(WORKLOADS[workload].forward_flops_per_sample(spec), rel=1e-9)

@@ -10,21 +10,13 @@ import re
 
 import pytest
 
-from harness.cell import MeasureSettings, measure_cell
+from harness.cell import Cell
 from harness.cli import main
-from harness.plan import Cell
+from harness.measure.local import MeasureSettings, measure
+from harness.outcome import to_record
 from harness.profiles import load_profiles
-from harness.project import (
-    MAX_BATCH_LIMIT,
-    _reserved,
-    _with_workspaces,
-    _workspaces_for,
-    library_workspaces,
-    max_batch,
-    project,
-    project_cell,
-    traced,
-)
+from harness.project import MAX_BATCH_LIMIT, max_batch, project, project_outcome, traced
+from harness.project.memory import _reserved, _with_workspaces, _workspaces_for, library_workspaces
 from harness.project.roofline import estimate
 from suites.techniques import TECHNIQUES, parse_stack
 from suites.workloads import WORKLOADS
@@ -33,16 +25,27 @@ PROFILES = load_profiles()
 MiB = 2**20
 
 
+def _cell(workload: str, size: str, technique: str = "baseline", mode: str = "train", batch: int | None = None,
+          gpu: str = "h100-sxm", spec=None, source: str = "projected"):
+    """A resolved cell (`spec` replaces the size table's entry)."""
+    spec = spec or WORKLOADS[workload].sizes[size]
+    cell = Cell(workload, spec.name, mode, parse_stack(technique).name, gpu, batch or spec.batch_size, source)
+    return cell.resolve(PROFILES, spec=spec)
+
+
+def project_cell(cell: Cell):
+    resolved = cell.resolve(PROFILES)
+    return to_record(resolved, project_outcome(resolved), "t")
+
+
 CASES = [(w, t) for w in ("resnet50", "bert", "gpt") for t in ("baseline", "amp-bf16", "checkpointing")]
 
 
 @pytest.mark.parametrize("workload_name, technique", CASES)
 def test_projected_peak_is_within_3_percent_of_the_measured_peak(workload_name, technique):
-    workload = WORKLOADS[workload_name]
-    spec = workload.sizes["smoke"]
-    cell = Cell(workload_name, "smoke", "train", technique, "cpu", spec.batch_size)
-    measured = measure_cell(cell, PROFILES["cpu"], "t", MeasureSettings(warmup=1, steps=10, repeats=1))
-    projection = project(workload, spec, parse_stack(technique), "train", spec.batch_size, PROFILES["cpu"])
+    cell = _cell(workload_name, "smoke", technique, gpu="cpu", source="measured")
+    measured = to_record(cell, measure(cell, MeasureSettings(warmup=1, steps=10, repeats=1)), "t")
+    projection = project(cell)
     projected = projection.memory
     error = projected.peak_allocated / measured.peak_allocated_bytes - 1
     assert abs(error) < 0.03, f"projected {projected.peak_allocated} vs measured {measured.peak_allocated_bytes}"
@@ -56,32 +59,28 @@ def test_projected_peak_is_within_3_percent_of_the_measured_peak(workload_name, 
     ("gpt", "gpt2-124m", "amp-bf16", "infer"), ("bert", "bert-base", "grad-accumulation", "train"),
 ])
 def test_depth_extrapolation_matches_a_full_trace_of_a_mid_size_model(workload_name, size, technique, mode):
-    workload = WORKLOADS[workload_name]
-    stack = parse_stack(technique)
     batch = 4 if technique == "grad-accumulation" else 1
-    spec = dataclasses.replace(workload.sizes[size], seq_len=256, batch_size=batch)
+    spec = dataclasses.replace(WORKLOADS[workload_name].sizes[size], seq_len=256, batch_size=batch)
     h100 = PROFILES["h100-sxm"]
-    extrapolated = project(workload, spec, stack, mode, batch, h100)
+    cell = _cell(workload_name, size, technique, mode, batch, spec=spec)
+    extrapolated = project(cell)
     assert extrapolated.memory.extrapolated_from  # 12 layers: traced at two small depths
-    full = traced(workload, spec, stack, mode, batch, h100)
+    full = traced(cell)
     # The step's peak is the largest of its phases' peaks, each extrapolated on its own: at 2-3 layers
     # the embeddings dominate, at 12 the optimizer step can (a single extrapolated peak missed by 7.6%).
     assert abs(extrapolated.trace.peak_bytes / full.peak_bytes - 1) < 0.005
     assert extrapolated.memory.peak_allocated == extrapolated.trace.peak_bytes + extrapolated.memory.workspaces
     assert abs(extrapolated.memory.activations / full.activations_bytes - 1) < 0.005
     assert abs(extrapolated.trace.flops / full.flops - 1) < 0.005
-    # Reserved carries the 3-layer trace's fragmentation over in bytes (harness/project/__init__.py):
+    # Reserved carries the 3-layer trace's fragmentation over in bytes (harness/project/memory.py):
     # against the full-depth replay, within 10.3% under every allocator setting for these cells.
     replayed = _reserved(full, _workspaces_for(full, h100, mode))
     assert all(abs(extrapolated.memory.reserved[s] / replayed[s] - 1) < 0.11 for s in replayed)
 
 
 def test_cuda_profiles_round_allocations_to_512_bytes():
-    workload = WORKLOADS["gpt"]
-    spec = workload.sizes["smoke"]
-    stack = parse_stack("baseline")
-    on_gpu = traced(workload, spec, stack, "train", 4, PROFILES["a100-sxm4-80gb"])
-    on_cpu = traced(workload, spec, stack, "train", 4, PROFILES["cpu"])
+    on_gpu = traced(_cell("gpt", "smoke", batch=4, gpu="a100-sxm4-80gb"))
+    on_cpu = traced(_cell("gpt", "smoke", batch=4, gpu="cpu"))
     assert all(size % 512 == 0 for kind, _, size in on_gpu.events if kind == "alloc")
     assert on_gpu.peak_bytes > on_cpu.peak_bytes
 
@@ -99,11 +98,8 @@ def test_blas_workspaces_are_inside_the_allocators_figures():
     assert library_workspaces(PROFILES["a100-sxm4-80gb"], "infer", "2.6.0") == (small,)
     assert library_workspaces(PROFILES["mi300x"], "infer") == (128 * MiB, 76 * MiB)
     assert library_workspaces(PROFILES["cpu"], "train") == ()
-    workload = WORKLOADS["gpt"]
-    spec = workload.sizes["smoke"]
-    stack = parse_stack("baseline")
-    h100 = project(workload, spec, stack, "train", 4, PROFILES["h100-sxm"]).memory
-    a100 = project(workload, spec, stack, "train", 4, PROFILES["a100-sxm4-80gb"]).memory
+    h100 = project(_cell("gpt", "smoke", batch=4, gpu="h100-sxm")).memory
+    a100 = project(_cell("gpt", "smoke", batch=4, gpu="a100-sxm4-80gb")).memory
     # Same trace (both GPUs), different workspaces: the difference is exactly the workspaces'.
     assert h100.peak_allocated - a100.peak_allocated == h100.workspaces - a100.workspaces
     assert h100.workspaces == sum(library_workspaces(PROFILES["h100-sxm"], "train"))
@@ -116,7 +112,7 @@ def test_each_threads_workspaces_are_allocated_after_its_first_matmul():
     # the warm-up's forward (the fused q/k/v projection of the first block), then autograd's thread.
     workload = WORKLOADS["gpt"]
     spec = workload.sizes["smoke"]
-    trace = traced(workload, spec, parse_stack("baseline"), "train", 4, PROFILES["a100-sxm4-80gb"])
+    trace = traced(_cell("gpt", "smoke", batch=4, gpu="a100-sxm4-80gb"))
     forward_at, backward_at = trace.first_matmul_at
     n_embd = spec.config["n_embd"]
     qkv_output = 4 * spec.seq_len * 3 * n_embd * 4  # batch x tokens x 3d, fp32
@@ -132,9 +128,7 @@ def test_each_threads_workspaces_are_allocated_after_its_first_matmul():
 def test_fit_is_judged_against_the_memory_the_driver_reports():
     # A T4's datasheet says 16 GB; with ECC on its driver reports 15,360 MiB, and that is what a process gets.
     assert PROFILES["t4"].capacity_bytes == 15360 * MiB < PROFILES["t4"].memory_bytes
-    workload = WORKLOADS["gpt"]
-    spec = workload.sizes["smoke"]
-    memory = project(workload, spec, parse_stack("baseline"), "train", 4, PROFILES["t4"]).memory
+    memory = project(_cell("gpt", "smoke", batch=4, gpu="t4")).memory
     assert memory.capacity == 15360 * MiB
     assert not any("datasheet memory size" in note for note in memory.notes)
 
@@ -147,9 +141,7 @@ def test_a_multi_device_package_is_projected_on_one_of_its_devices():
     assert device.memory_bandwidth_bytes_s == package.memory_bandwidth_bytes_s / 2
     assert device.peak("fp16") == package.peak("fp16") / 2
     assert dataclasses.replace(package, usd_per_hour=3.0).per_device().usd_per_hour == 1.5  # half the rent
-    workload = WORKLOADS["gpt"]
-    spec = workload.sizes["smoke"]
-    projection = project(workload, spec, parse_stack("amp-fp16"), "train", 4, package)
+    projection = project(_cell("gpt", "smoke", "amp-fp16", batch=4, gpu="mi250x"))
     assert projection.memory.capacity == 65520 * MiB  # one GCD, not the package's 128 GiB
     whole_package = estimate(projection.trace, package)
     assert projection.time.compute_s + projection.time.memory_s == pytest.approx(
@@ -158,7 +150,7 @@ def test_a_multi_device_package_is_projected_on_one_of_its_devices():
 
 def test_gpt3_175b_training_does_not_fit_one_gpu_and_says_by_how_much():
     cell = Cell("gpt", "gpt3-175b", "train", "amp-bf16", "h100-sxm", 1, source="projected")
-    record = project_cell(cell, PROFILES["h100-sxm"], "t")
+    record = project_cell(cell)
     assert record.status == "oom" and record.fits is False
     assert "MiB allocated at its peak" in record.reason and "MiB on h100-sxm" in record.reason
     # Parameters in fp32 (4 B) plus AdamW's two moments (8 B) for ~175e9 parameters (C3's order).
@@ -180,8 +172,7 @@ def test_an_oom_reason_states_its_figures_without_rounding_them_into_a_contradic
     l4 = PROFILES["l4"]
     forms = set()
     for batch in (268, 269):
-        record = project_cell(Cell("resnet50", "resnet50", "train", "baseline", "l4", batch, source="projected"),
-                              l4, "t")
+        record = project_cell(Cell("resnet50", "resnet50", "train", "baseline", l4.id, batch, source="projected"))
         figures = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) MiB", record.reason)]
         needed, context, capacity = figures[:3]
         assert record.status == "oom" and needed + context > capacity, record.reason
@@ -193,8 +184,7 @@ def test_a_step_fits_when_freeing_the_allocators_cache_makes_room():
     # gpt2-124m amp-bf16 at batch 135 on an H200: unconstrained, the caching allocator would reserve
     # ~149 GiB, more than the device; its live peak is ~110 GiB. When cudaMalloc fails the allocator
     # frees its unused cached segments and retries, and replayed against the device's size that suffices.
-    workload, h200 = WORKLOADS["gpt"], PROFILES["h200"]
-    memory = project(workload, workload.sizes["gpt2-124m"], parse_stack("amp-bf16"), "train", 135, h200).memory
+    memory = project(_cell("gpt", "gpt2-124m", "amp-bf16", batch=135, gpu="h200")).memory
     room = memory.capacity - memory.overhead
     assert memory.peak_allocated < room < memory.reserved["native"]
     assert memory.fits and memory.fits_by_freeing_cache
@@ -203,19 +193,16 @@ def test_a_step_fits_when_freeing_the_allocators_cache_makes_room():
 
 def test_bf16_is_unsupported_on_a_t4_projection():
     cell = Cell("gpt", "gpt2-124m", "train", "amp-bf16", "t4", 8, source="projected")
-    record = project_cell(cell, PROFILES["t4"], "t")
+    record = project_cell(cell)
     assert record.status == "unsupported" and "bf16" in record.reason
 
 
 def test_max_batch_fits_and_one_more_step_does_not():
-    workload = WORKLOADS["bert"]
-    spec = workload.sizes["bert-base"]
-    stack = parse_stack("baseline")
-    t4 = PROFILES["t4"]
-    best = max_batch(workload, spec, stack, "train", t4)
+    cell = _cell("bert", "bert-base", gpu="t4")
+    best = max_batch(cell)
     assert best >= 1
-    assert project(workload, spec, stack, "train", best, t4).memory.fits
-    assert not project(workload, spec, stack, "train", best + 1, t4).memory.fits
+    assert project(cell.with_batch(best)).memory.fits
+    assert not project(cell.with_batch(best + 1)).memory.fits
 
 
 def test_project_command_prints_one_json_record(capsys):
@@ -256,14 +243,12 @@ def test_largest_model_says_why_there_is_none_and_at_which_batch(capsys):
 
 def test_max_batch_of_a_batchnorm_net_in_training_starts_at_two_samples(capsys, monkeypatch):
     # The 32 px smoke ResNet's last feature map is 1 x 1: BatchNorm cannot train on one sample.
-    workload = WORKLOADS["resnet50"]
-    spec, stack = workload.sizes["smoke"], parse_stack("baseline")
-    assert max_batch(workload, spec, stack, "train", PROFILES["t4"], smallest=2, limit=6) == 6
+    assert max_batch(_cell("resnet50", "smoke", gpu="t4"), smallest=2, limit=6) == 6
     # The command asks for that smallest batch (the search itself stubbed: the full one takes 40 s).
-    import harness.project
+    import harness.project.query
 
     asked = {}
-    monkeypatch.setattr(harness.project, "max_batch", lambda *a, **k: asked.update(k) or 0)
+    monkeypatch.setattr(harness.project.query, "max_batch", lambda *a, **k: asked.update(k) or 0)
     assert main(["project", "--gpu", "t4", "--workload", "resnet50", "--size", "smoke", "--max-batch",
                  "--technique", "grad-accumulation", "--format", "json"]) == 0
     assert asked["smallest"] == 8 and asked["step"] == 4  # 4 micro-batches of 2 samples
@@ -331,11 +316,11 @@ def test_projected_utilisation_is_physical(mode):
         for stack in ("baseline", "amp-bf16"):
             spec = WORKLOADS[workload_name].sizes[size]
             cell = Cell(workload_name, size, mode, stack, a100.id, spec.batch_size, source="projected")
-            record = project_cell(cell, a100, "t")
+            record = project_cell(cell)
             assert record.status == "ok", record.reason
             assert 0.05 < record.mfu <= 1, f"{workload_name} {stack} {mode}: MFU {record.mfu}"
     spec = WORKLOADS["gpt"].sizes["gpt2-124m"]
     for technique in ["baseline", *TECHNIQUES]:
         cell = Cell("gpt", "gpt2-124m", mode, technique, h100.id, spec.batch_size, source="projected")
-        record = project_cell(cell, h100, "t")
+        record = project_cell(cell)
         assert record.mfu is None or 0 < record.mfu <= 1, f"gpt {technique} {mode}: MFU {record.mfu}"

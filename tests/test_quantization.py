@@ -96,7 +96,7 @@ def test_qat_inference_stays_close_to_the_float_model(workload_name):
     workload, spec, model, batch = _setup(workload_name)
     ref = _reference(workload, model, batch)
     run = _run(workload, spec, copy.deepcopy(model), "infer", "qat-int8")
-    if workload.kind == "vision":  # convolutions are fake-quantised too
+    if workload.traits.convolutional:  # convolutions are fake-quantised too
         assert not [m for m in run.model.modules() if type(m) in (nn.Conv2d, nn.Linear)]
     out = _infer(run, batch)
     error = _relative_error(out, ref)

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.plan import Cell, expand
+from harness.cell import Cell
+from harness.plan import expand
 from harness.profiles import load_profiles
 from harness.records import SCHEMA_VERSION, read_results
 from suites.techniques import TECHNIQUES, parse_stack, technique_names

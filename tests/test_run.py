@@ -4,24 +4,31 @@ from __future__ import annotations
 
 import pytest
 
-from harness.plan import Cell
+from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.records import ResultsStore
-from harness.run import RunOptions, run_isolated, run_plan
+from harness.runner import RunnerOptions, run_isolated, run_plan
+from tests.faulty_cell import FAULTY, registered
 
 PROFILES = load_profiles()
 
 
 def _cell(behaviour: str) -> Cell:
-    return Cell(workload="gpt", size=behaviour, mode="train", technique="baseline", gpu="cpu", batch_size=4)
+    return Cell(workload=FAULTY.name, size=behaviour, mode="train", technique="baseline", gpu="cpu", batch_size=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def faulty_workload():
+    with registered():
+        yield
 
 
 @pytest.fixture(scope="module")
-def faulty_run(tmp_path_factory):
+def faulty_run(tmp_path_factory, faulty_workload):
     """One run through the real runner over cells that raise, OOM, crash, exit and hang."""
     store = ResultsStore(tmp_path_factory.mktemp("faulty"))
     store.prepare()
-    options = RunOptions(run_id="test", cell_timeout_s=8, cell_entry="tests.faulty_cell")
+    options = RunnerOptions(run_id="test", cell_timeout_s=8, cell_entry="tests.faulty_cell")
     cells = [_cell(b) for b in ("raise", "oom", "segfault", "exit", "hang")]
     records = run_plan(cells, PROFILES, store, options)
     return {r.size: r for r in records}, store
@@ -53,7 +60,7 @@ def test_the_run_goes_on_and_every_row_is_stored(faulty_run):
 def test_resume_skips_recorded_cells(tmp_path):
     store = ResultsStore(tmp_path)
     store.prepare()
-    options = RunOptions(run_id="first", cell_timeout_s=30, cell_entry="tests.faulty_cell")
+    options = RunnerOptions(run_id="first", cell_timeout_s=30, cell_entry="tests.faulty_cell")
     run_plan([_cell("exit")], PROFILES, store, options)
     seen = []
     again = run_plan([_cell("exit"), _cell("raise")], PROFILES, store, options, resume=True,
@@ -66,9 +73,9 @@ def test_resume_skips_recorded_cells(tmp_path):
 def test_unsupported_cells_are_rows_without_a_process(tmp_path):
     store = ResultsStore(tmp_path)
     store.prepare()
-    cell = Cell(workload="gpt", size="exit", mode="infer", technique="checkpointing", gpu="cpu", batch_size=4)
+    cell = Cell(workload=FAULTY.name, size="exit", mode="infer", technique="checkpointing", gpu="cpu", batch_size=4)
     # Started, this cell's process would exit with code 3 (an `error` row): unsupported cells start none.
-    [record] = run_plan([cell], PROFILES, store, RunOptions(run_id="t", cell_entry="tests.faulty_cell"))
+    [record] = run_plan([cell], PROFILES, store, RunnerOptions(run_id="t", cell_entry="tests.faulty_cell"))
     assert record.status == "unsupported" and "training" in record.reason
 
 
@@ -81,24 +88,24 @@ def test_a_stack_that_sets_the_environment_restarts_its_cell_with_it(monkeypatch
     # Allocator settings must be in the environment before `import torch`; the entry module notes what
     # it saw at the very start of the process that measured the cell.
     monkeypatch.delenv("HEADROOM_TEST_ALLOC_SETTING", raising=False)
-    record = run_isolated(_env_cell(), RunOptions(run_id="t", cell_timeout_s=120, cell_entry="tests.env_cell"))
+    record = run_isolated(_env_cell(), RunnerOptions(run_id="t", cell_timeout_s=120, cell_entry="tests.env_cell"))
     assert record.status == "ok", record.reason
     assert "HEADROOM_TEST_ALLOC_SETTING at process start: on" in record.notes
 
 
 def test_a_cell_restarts_for_its_environment_at_most_once(monkeypatch):
-    from harness.cell import RESTARTED
+    from harness.measure.process import RESTARTED
 
     monkeypatch.delenv("HEADROOM_TEST_ALLOC_SETTING", raising=False)
     monkeypatch.setenv(RESTARTED, "1")  # as if this were the restarted process, still without the setting
-    record = run_isolated(_env_cell(), RunOptions(run_id="t", cell_timeout_s=120, cell_entry="tests.env_cell"))
+    record = run_isolated(_env_cell(), RunnerOptions(run_id="t", cell_timeout_s=120, cell_entry="tests.env_cell"))
     assert record.status == "error"
     assert "did not hold after a restart" in record.reason
 
 
 def test_twin_errors_compare_peak_step_time_and_reserved(tmp_path):
     from harness.records import Record
-    from harness.run import attach_twin_errors
+    from harness.runner import attach_twin_errors
 
     store = ResultsStore(tmp_path)
     identity = dict(run_id="r", workload="gpt", size="gpt2-124m", mode="train", technique="baseline",
@@ -122,7 +129,7 @@ def test_twin_errors_compare_peak_step_time_and_reserved(tmp_path):
                                                 ("cudaMallocAsync", 1080), (None, 1260)])
 def test_reserved_twin_error_uses_the_allocator_setting_the_twin_ran_under(tmp_path, setting, projected):
     from harness.records import Record, read_results
-    from harness.run import attach_twin_errors
+    from harness.runner import attach_twin_errors
     from harness.twins import twin_table
 
     store = ResultsStore(tmp_path)
@@ -173,6 +180,29 @@ def test_twin_table_pairs_rows_within_their_run(tmp_path):
     ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)", "error"),
 ])
 def test_library_allocation_failures_count_as_out_of_memory(message, status):
-    from harness.cell import failure_status
+    from harness.measure.process import failure_status
 
     assert failure_status(RuntimeError(message)) == status
+
+
+def test_a_cell_whose_names_do_not_resolve_is_an_error_row_naming_them(tmp_path):
+    store = ResultsStore(tmp_path)
+    store.prepare()
+    cell = Cell(workload="gpt", size="no-such-size", mode="train", technique="baseline", gpu="cpu", batch_size=4)
+    [record] = run_plan([cell], PROFILES, store, RunnerOptions(run_id="t"))
+    assert record.status == "error" and "unknown size 'no-such-size'" in record.reason
+    assert record.cell_id == cell.cell_id
+
+
+def test_a_resumed_run_keeps_its_run_id_so_twins_made_across_the_resume_pair(tmp_path):
+    from harness.records import Record
+    from harness.runner import attach_twin_errors
+
+    store = ResultsStore(tmp_path)
+    identity = dict(workload="gpt", size="gpt2-124m", mode="train", technique="baseline", gpu="h200",
+                    batch_size=8, status="ok")
+    store.add(Record(**identity, run_id="first", source="measured", cell_id="m", peak_allocated_bytes=1000))
+    assert store.recorded_run_id() == "first"
+    store.add(Record(**identity, run_id="first", source="projected", cell_id="p", peak_allocated_bytes=1100))
+    attach_twin_errors(store)
+    assert {r["cell_id"]: r for r in store.rows()}["p"]["peak_error_vs_measured"] == pytest.approx(0.10)

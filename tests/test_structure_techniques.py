@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.cell import MeasureSettings, measure_cell
+from harness.cell import Cell
+from harness.measure.local import MeasureSettings, measure
 from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
-from harness.plan import Cell
+from harness.outcome import to_record
 from harness.profiles import load_profiles
 from suites.step import Step
 from suites.techniques import Run, Unsupported, checkpointing, lowrank, parse_stack, pruning
@@ -96,9 +97,9 @@ def test_a_shared_block_gets_the_sum_of_every_layers_gradient():
         torch.testing.assert_close(param.grad, total, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_sharing_is_unsupported_for_vision_with_the_reason():
+def test_sharing_is_unsupported_without_uniform_blocks_with_the_reason():
     reason = parse_stack("param-sharing").check(CPU, WORKLOADS["resnet50"], "train")
-    assert reason and "vision" in reason and "no single block to share" in reason
+    assert reason and "uniform blocks" in reason and "no single block to share" in reason
 
 
 # --- low-rank -----------------------------------------------------------------------------------
@@ -346,7 +347,8 @@ def test_selective_checkpointing_activations_sit_between_baseline_and_full():
     settings = MeasureSettings(warmup=1, steps=1, repeats=1)
     activations = {}
     for stack in ("baseline", "checkpointing", "selective-checkpointing"):
-        record = measure_cell(Cell("gpt", "smoke", "train", stack, "cpu", 4), CPU, "test", settings)
+        cell = Cell("gpt", "smoke", "train", stack, "cpu", 4).resolve(load_profiles())
+        record = to_record(cell, measure(cell, settings), "test")
         assert record.status == "ok", record.reason
         activations[stack] = record.activations_bytes
     assert activations["checkpointing"] < activations["selective-checkpointing"] < activations["baseline"]

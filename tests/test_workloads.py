@@ -50,6 +50,10 @@ def _counted(fn) -> int:
 def test_registry():
     assert list(WORKLOADS) == ["resnet50", "bert", "gpt"]
     assert {w.kind for w in WORKLOADS.values()} == {"vision", "encoder", "decoder"}
+    # What code reads is declared as traits, not branched on by kind or name.
+    assert [w.traits.convolutional for w in WORKLOADS.values()] == [True, False, False]
+    assert [w.traits.batch_norm for w in WORKLOADS.values()] == [True, False, False]
+    assert [w.traits.depth_key for w in WORKLOADS.values()] == [None, "n_layer", "n_layer"]
     assert get_workload("gpt").accuracy_metric == "next-token-accuracy"
     assert get_workload("bert").accuracy_metric == "mlm-accuracy"
     assert get_workload("resnet50").accuracy_metric == "top1"
@@ -98,7 +102,7 @@ def _train_and_infer(w, size):
     model.eval()
     with torch.no_grad():
         out = w.forward(model, batch)
-    if w.kind == "vision":
+    if w.traits.convolutional:
         assert out.shape == (size.batch_size, size.config["num_classes"])
     else:
         assert out.shape == (size.batch_size, size.seq_len, size.config["vocab_size"])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.metrics import peak_flops
 from harness.project.trace import StepTrace
 
 # Fraction of the dense peak (compute) or of the bandwidth (memory) real kernels reach, by op class
@@ -37,12 +38,6 @@ EFFICIENCY = {"matmul": 0.70, "attention": 0.60, "conv": 0.30, "memory": 0.85}
 # faster than its ops can be issued. [M] order of magnitude from PyTorch's own overhead notes.
 OP_OVERHEAD_S = 5e-6
 
-# Trace dtype -> the profile peak it runs at. fp32 matmuls run on CUDA cores (PyTorch leaves TF32 off
-# for matmul by default), fp32 convolutions on TF32 tensor cores where present (cuDNN's default).
-DTYPE_PEAK = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8",
-              "float8_e5m2": "fp8", "int8": "int8"}
-
-
 @dataclass(frozen=True)
 class TimeEstimate:
     """Projected seconds for one step, and the part of it bound by compute, memory and op overhead."""
@@ -51,15 +46,6 @@ class TimeEstimate:
     compute_s: float
     memory_s: float
     overhead_s: float
-
-
-def peak_for(profile, op_class: str, dtype: str, tf32_matmul: bool = False) -> float | None:
-    name = DTYPE_PEAK.get(dtype)
-    if name is None:
-        return None
-    if name == "fp32" and profile.has("tf32") and (op_class == "conv" or tf32_matmul):
-        name = "tf32"
-    return profile.peak(name)
 
 
 def estimate(trace: StepTrace, profile, efficiency: dict[str, float] | None = None,
@@ -81,7 +67,7 @@ def estimate(trace: StepTrace, profile, efficiency: dict[str, float] | None = No
         ops += cost.count
         memory_time = cost.bytes / (bandwidth * efficiency["memory"])
         if cost.flops:
-            peak = peak_for(profile, op_class, dtype, tf32_matmul)
+            peak = peak_flops(profile, dtype, convolution=op_class == "conv", tf32_matmul=tf32_matmul)
             if peak is None:
                 return None
             compute_time = cost.flops / (peak * efficiency.get(op_class, efficiency["matmul"]))

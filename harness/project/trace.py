@@ -13,7 +13,6 @@ formulas) and bytes touched, for the roofline.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from harness.cell import ResolvedCell
 from harness.project.autocast_policy import cuda_autocast_policy
 from suites.step import Step
 from suites.techniques import Run, Stack
@@ -81,6 +81,16 @@ class StepTrace:
     @property
     def flops(self) -> float:
         return sum(c.flops for c in self.costs.values())
+
+
+class _NoHook:
+    """A removable handle for a hook never installed."""
+
+    def remove(self) -> None:
+        return None
+
+
+_NO_HOOK = _NoHook()
 
 
 class _RecordingMemTracker(MemTracker):
@@ -141,6 +151,17 @@ class _RecordingMemTracker(MemTracker):
         if self.total > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = self.total
             self.phase_at_peak[self.phase] = self.by_category()
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        # MemTracker puts gradient hooks on every parameter of a module, and a frozen one (requires_grad
+        # False: a frozen layer, an adapter's base weight) raises on `register_hook`. It has no gradient
+        # to track, so it is entered as hooked already, with handles whose removal does nothing.
+        handles = getattr(self, "_param_to_grad_hook_handles", None)
+        if handles is not None:
+            for param in module.parameters():
+                if not param.requires_grad and handles.get(param) is None:
+                    handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _update_peak_stats(self, peak_state) -> None:
         # MemTracker updates every tracked module's peak snapshot after each op (over a weak
@@ -327,8 +348,29 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         untraced=tuple(sorted({m.untraced_compute for m in run.model.modules() if hasattr(m, "untraced_compute")})))
 
 
-def with_depth(spec, layers: int):
-    """The same size with `layers` repeated blocks (for depth extrapolation), or None if not uniform."""
-    if "n_layer" not in spec.config:
-        return None
-    return dataclasses.replace(spec, config={**spec.config, "n_layer": layers})
+def _trace_key(profile) -> tuple:
+    """Profiles that trace identically share one trace: the rounding and attention path differ only
+    between the host CPU and GPUs."""
+    return ("cpu",) if profile.vendor == "cpu" else ("gpu",)
+
+
+_TRACES: dict[tuple, StepTrace] = {}
+
+
+def traced(cell: ResolvedCell, profile=None) -> StepTrace:
+    """The step trace of a cell (on `profile`, default the cell's), computed once per process for all
+    profiles that trace alike."""
+    profile = profile or cell.profile
+    workload, spec = cell.workload, cell.spec
+    key = (workload.name, spec.name, tuple(sorted(spec.config.items())), spec.seq_len, spec.image_size,
+           cell.stack.name, cell.mode, cell.batch_size, _trace_key(profile))
+    if key not in _TRACES:
+        def run_factory() -> Run:
+            return Run(workload=workload, size=spec, mode=cell.mode, profile=profile, model=workload.build(spec),
+                       batch_size=cell.batch_size)
+
+        def batch_factory():
+            return workload.batch(spec, cell.batch_size, torch.Generator().manual_seed(0))
+
+        _TRACES[key] = trace_step(run_factory, cell.stack, profile, batch_factory)
+    return _TRACES[key]

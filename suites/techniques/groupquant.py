@@ -216,7 +216,7 @@ def _check_group(name: str):
         reason = inference(profile, workload, mode)
         if reason:
             return reason
-        if workload.kind == "vision":
+        if workload.traits.convolutional:
             return (f"{name} quantises nn.Linear weights (as torchao's weight-only configs do); "
                     f"{workload.name}'s weights are nearly all in convolutions, so only its classifier would change")
         return None

@@ -132,7 +132,7 @@ def _apply(run: Run) -> None:
             else f"{DEFAULT_ENERGY:.0%} of the singular-value energy")
     detail = ", ".join(f"rank {r} of {full} for {n} layer{'s' * (n != 1)}" for (r, full), n in sorted(ranks.items()))
     skipped = f"; {kept} layers kept dense (rank too high to save weights)" if kept else ""
-    scope = "; 1x1 convs factorised, 3x3 kept" if run.workload.kind == "vision" else ""
+    scope = "; 1x1 convs factorised, 3x3 kept" if run.workload.traits.convolutional else ""
     run.notes.append(f"low-rank SVD, rank = {rule}: {detail}{skipped}{scope}; "
                      f"{before:,} -> {after:,} parameters")
 

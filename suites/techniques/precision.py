@@ -57,7 +57,7 @@ def _check_fp8(profile, workload, mode):
             return (f"fp8 needs fp8 tensor cores (compute capability >= 8.9); {profile.name} is "
                     f"{profile.compute_capability}")
         return f"{profile.name} has no fp8 tensor cores"
-    if workload.kind == "vision":
+    if workload.traits.convolutional:
         return (f"torchao's float8 converts nn.Linear layers only; {workload.name}'s compute is in "
                 "convolutions")
     if mode != "train":

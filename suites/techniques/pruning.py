@@ -18,7 +18,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from suites.techniques.base import Phase, Run, Technique, Unsupported, always
+from suites.techniques.base import Phase, Run, Technique, Unsupported
+from suites.workloads.base import AttentionRoles, ConvRoles, MlpRoles, Traits
 
 # Fractions removed from every block: attention heads (at least one head is kept), MLP neurons, and
 # the output channels of a ResNet bottleneck's 1x1-reduce and 3x3 convs.
@@ -27,6 +28,8 @@ DEFAULT_NEURON_FRACTION = 0.25
 DEFAULT_CHANNEL_FRACTION = 0.25
 
 Layer = nn.Linear | nn.Conv2d
+# Default roles for the functions below (the workloads declare their own in Traits).
+FUSED_ATTENTION, GATED_MLP, BOTTLENECK = AttentionRoles(), MlpRoles(gate="gate"), ConvRoles()
 
 
 def _leaves(module: nn.Module) -> tuple[Layer, Layer]:
@@ -108,13 +111,14 @@ def _top(importance: torch.Tensor, remove: int) -> torch.Tensor:
     return importance.topk(keep).indices.sort().values
 
 
-def prune_attention(attn: nn.Module, fraction: float) -> tuple[int, int]:
-    """Remove heads from a module with a fused `qkv` ([q; k; v] rows, heads contiguous), `proj`, `n_head`.
+def prune_attention(attn: nn.Module, fraction: float, roles: AttentionRoles = FUSED_ATTENTION) -> tuple[int, int]:
+    """Remove heads from an attention module with a fused [q; k; v] projection (heads contiguous), an
+    output projection and a head count, named by `roles`.
 
     Returns (heads before, heads after).
     """
-    heads = attn.n_head
-    qkv, proj = _matrix(attn.qkv), _matrix(attn.proj)
+    heads = getattr(attn, roles.heads)
+    qkv, proj = _matrix(getattr(attn, roles.qkv)), _matrix(getattr(attn, roles.out))
     inner = qkv.shape[0] // 3
     size = inner // heads
     remove = min(int(heads * fraction), heads - 1)
@@ -126,20 +130,21 @@ def prune_attention(attn: nn.Module, fraction: float) -> tuple[int, int]:
     offsets = torch.arange(size, device=keep.device)
     cols = (keep[:, None] * size + offsets).flatten()  # the kept heads' channels within q (or k, or v)
     rows = torch.cat([cols + part * inner for part in range(3)])
-    attn.qkv = _keep_outputs(attn.qkv, rows)
-    attn.proj = _keep_inputs(attn.proj, cols)
-    attn.n_head = len(keep)  # the attention forward reads its width from qkv's output and this count
+    setattr(attn, roles.qkv, _keep_outputs(getattr(attn, roles.qkv), rows))
+    setattr(attn, roles.out, _keep_inputs(getattr(attn, roles.out), cols))
+    # The attention forward reads its width from qkv's output and this count.
+    setattr(attn, roles.heads, len(keep))
     return heads, len(keep)
 
 
-def prune_mlp(mlp: nn.Module, fraction: float) -> tuple[int, int]:
-    """Remove hidden neurons of a module with `up` (+ optional `gate`) and `down` (or `proj`) layers.
+def prune_mlp(mlp: nn.Module, fraction: float, roles: MlpRoles = GATED_MLP) -> tuple[int, int]:
+    """Remove hidden neurons of an MLP with an expanding layer (+ optional gate) and a contracting
+    layer, named by `roles`.
 
     Returns (neurons before, neurons after).
     """
-    out_name = "down" if isinstance(getattr(mlp, "down", None), nn.Module) else "proj"
-    producers = [name for name in ("up", "gate") if isinstance(getattr(mlp, name, None), nn.Module)]
-    consumer = _matrix(getattr(mlp, out_name))
+    producers = [name for name in (roles.up, roles.gate) if name and isinstance(getattr(mlp, name, None), nn.Module)]
+    consumer = _matrix(getattr(mlp, roles.down))
     hidden = consumer.shape[1]
     remove = min(int(hidden * fraction), hidden - 1)
     if remove <= 0:
@@ -150,17 +155,18 @@ def prune_mlp(mlp: nn.Module, fraction: float) -> tuple[int, int]:
     keep = _top(importance.sqrt(), remove)
     for name in producers:
         setattr(mlp, name, _keep_outputs(getattr(mlp, name), keep))
-    setattr(mlp, out_name, _keep_inputs(getattr(mlp, out_name), keep))
+    setattr(mlp, roles.down, _keep_inputs(getattr(mlp, roles.down), keep))
     return hidden, len(keep)
 
 
-def prune_bottleneck(block: nn.Module, fraction: float) -> list[tuple[int, int]]:
-    """Remove output channels of conv1 (1x1 reduce) and conv2 (3x3) with their batch norms.
+def prune_bottleneck(block: nn.Module, fraction: float, roles: ConvRoles = BOTTLENECK) -> list[tuple[int, int]]:
+    """Remove output channels of each (conv, norm) pair of `roles` (ResNet: the 1x1 reduce and the 3x3
+    conv) with their batch norms, and the matching input channels of the conv after each.
 
-    Returns (channels before, after) for each of the two convs.
+    Returns (channels before, after) for each pair.
     """
     changes = []
-    for conv, norm, consumer in (("conv1", "bn1", "conv2"), ("conv2", "bn2", "conv3")):
+    for conv, norm, consumer in roles.pairs:
         filters = _matrix(getattr(block, conv))
         channels = filters.shape[0]
         remove = min(int(channels * fraction), channels - 1)
@@ -175,23 +181,26 @@ def prune_bottleneck(block: nn.Module, fraction: float) -> list[tuple[int, int]]
     return changes
 
 
-def _is_attention(module: nn.Module) -> bool:
-    return all(hasattr(module, name) for name in ("qkv", "proj", "n_head"))
+def _has_modules(module: nn.Module, names) -> bool:
+    return all(isinstance(getattr(module, name, None), nn.Module) for name in names)
 
 
-def _is_mlp(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "up", None), nn.Module) and (
-        isinstance(getattr(module, "down", None), nn.Module) or isinstance(getattr(module, "proj", None), nn.Module))
+def _is_attention(module: nn.Module, roles: AttentionRoles | None) -> bool:
+    return roles is not None and _has_modules(module, (roles.qkv, roles.out)) and hasattr(module, roles.heads)
 
 
-def _is_bottleneck(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, name, None), nn.Module)
-               for name in ("conv1", "bn1", "conv2", "bn2", "conv3"))
+def _is_mlp(module: nn.Module, roles: MlpRoles | None) -> bool:
+    return roles is not None and _has_modules(module, (roles.up, roles.down))
 
 
-def prune_blocks(containers, head_fraction: float | None = None, neuron_fraction: float | None = None,
-                 channel_fraction: float | None = None) -> dict[str, Counter]:
-    """Prune every block in place; returns kind -> Counter of (before, after) widths."""
+def _is_bottleneck(module: nn.Module, roles: ConvRoles | None) -> bool:
+    return roles is not None and _has_modules(module, {name for pair in roles.pairs for name in pair})
+
+
+def prune_blocks(containers, traits: Traits, head_fraction: float | None = None,
+                 neuron_fraction: float | None = None, channel_fraction: float | None = None) -> dict[str, Counter]:
+    """Prune every block in place, finding its modules by the roles `traits` declares; returns
+    kind -> Counter of (before, after) widths."""
     heads = DEFAULT_HEAD_FRACTION if head_fraction is None else head_fraction
     neurons = DEFAULT_NEURON_FRACTION if neuron_fraction is None else neuron_fraction
     channels = DEFAULT_CHANNEL_FRACTION if channel_fraction is None else channel_fraction
@@ -205,25 +214,33 @@ def prune_blocks(containers, head_fraction: float | None = None, neuron_fraction
             if id(block) in seen:  # a block shared across layers is pruned once
                 continue
             seen.add(id(block))
-            if _is_bottleneck(block):
-                for change in prune_bottleneck(block, channels):
+            if _is_bottleneck(block, traits.bottleneck):
+                for change in prune_bottleneck(block, channels, traits.bottleneck):
                     changes["inner conv channels"][change] += 1
                 continue
             for module in list(block.modules()):
-                if _is_attention(module):
-                    changes["heads"][prune_attention(module, heads)] += 1
-                elif _is_mlp(module):
-                    changes["MLP neurons"][prune_mlp(module, neurons)] += 1
+                if _is_attention(module, traits.attention):
+                    changes["heads"][prune_attention(module, heads, traits.attention)] += 1
+                elif _is_mlp(module, traits.mlp):
+                    changes["MLP neurons"][prune_mlp(module, neurons, traits.mlp)] += 1
     return {kind: counts for kind, counts in changes.items() if counts}
+
+
+def _check(profile, workload, mode) -> str | None:
+    traits = workload.traits
+    if traits.attention is None and traits.mlp is None and traits.bottleneck is None:
+        return (f"structured-pruning rebuilds the attention heads, MLP neurons or bottleneck channels a workload "
+                f"names; {workload.name} declares none (Traits.attention / mlp / bottleneck)")
+    return None
 
 
 def _apply(run: Run) -> None:
     containers = run.workload.block_lists(run.model)
     before = sum(p.numel() for p in run.model.parameters())
-    changes = prune_blocks(containers)
+    changes = prune_blocks(containers, run.workload.traits)
     if not changes:
-        raise Unsupported(f"found no attention (qkv, proj, n_head), MLP (up, down/proj) or bottleneck "
-                          f"(conv1-3 with bn1-2) in {run.workload.name}'s blocks to prune")
+        raise Unsupported(f"found none of the attention, MLP or bottleneck modules {run.workload.name} declares "
+                          f"in its blocks to prune")
     after = sum(p.numel() for p in run.model.parameters())
     detail = "; ".join(f"{kind} {old} -> {new} in {n} modules"
                        for kind, counts in changes.items() for (old, new), n in sorted(counts.items()))
@@ -234,6 +251,6 @@ STRUCTURED_PRUNING = Technique(
     id="structured-pruning", phase=Phase.STRUCTURE, changes_numerics=True, guide="T4",
     summary=f"remove the {DEFAULT_HEAD_FRACTION:.0%} lowest-norm heads and {DEFAULT_NEURON_FRACTION:.0%} of MLP "
             f"neurons (ResNet: inner conv channels), rebuilding smaller dense layers",
-    check=always, apply=_apply)
+    check=_check, apply=_apply)
 
 TECHNIQUES = (STRUCTURED_PRUNING,)

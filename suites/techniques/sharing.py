@@ -12,9 +12,9 @@ from suites.techniques.base import Phase, Run, Technique, Unsupported
 
 
 def _check(profile, workload, mode):
-    if workload.kind not in ("encoder", "decoder"):
-        return (f"cross-layer sharing reuses one Transformer layer for every layer; {workload.name}'s "
-                f"{workload.kind} blocks differ in width, stride and shortcut across stages, so there is "
+    if not workload.traits.uniform_blocks:
+        return (f"cross-layer sharing reuses one layer for every layer; {workload.name} does not declare "
+                "uniform blocks (ResNet's differ in width, stride and shortcut across stages), so there is "
                 "no single block to share")
     return None
 

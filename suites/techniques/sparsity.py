@@ -184,7 +184,7 @@ def _sparse_kernels(profile) -> bool:
 
 
 def _check_2to4(profile, workload, mode) -> str | None:
-    if workload.kind == "vision":
+    if workload.traits.convolutional:
         return ("2:4 sparsity here prunes the blocks' nn.Linear layers, as PyTorch's semi-structured kernels "
                 f"are matmuls; {workload.name}'s blocks are convolutions")
     if profile.vendor == "cpu":
@@ -449,7 +449,7 @@ class TopKInput(nn.Module):
 
 
 def _check_dynamic(profile, workload, mode) -> str | None:
-    if workload.kind == "vision":
+    if workload.traits.mlp is None:
         return ("dynamic-sparsity keeps the top-k hidden units of a transformer MLP per token; "
                 f"{workload.name} has no MLP blocks")
     return None

@@ -15,8 +15,21 @@ for _workload in (resnet50.WORKLOAD, bert.WORKLOAD, gpt.WORKLOAD):
     WORKLOADS[_workload.name] = _workload
 
 
+# Users' workloads by the name asked for and by their own name (an `hf:` path made absolute).
+_USER_WORKLOADS: dict[str, Workload] = {}
+
+
 def get_workload(name: str) -> Workload:
-    """The workload called `name`; ValueError listing the valid ones (and the closest) otherwise."""
+    """The workload called `name`: a built-in one, a user's model (`model:package.module:factory`, see
+    user.py) or a Hugging Face config (`hf:/path/config.json`, see hf.py), the latter two loaded once per
+    process; ValueError listing the valid ones (and the closest) otherwise."""
+    if name.startswith(("model:", "hf:")):
+        if name not in _USER_WORKLOADS:
+            from suites.workloads import hf, user  # hf imports transformers only when used
+
+            loaded = (user.workload if name.startswith("model:") else hf.workload)(name)
+            _USER_WORKLOADS[name] = _USER_WORKLOADS.setdefault(loaded.name, loaded)
+        return _USER_WORKLOADS[name]
     try:
         return WORKLOADS[name]
     except KeyError:

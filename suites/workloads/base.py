@@ -7,6 +7,7 @@ checkpointing can wrap them without knowing the model), and analytic FLOPs per s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,8 @@ Batch = dict[str, torch.Tensor]
 # Scales group sizes: `smoke` runs in seconds on a CPU (CI), `standard` holds the canonical sizes
 # people quote, `large` holds sizes that mostly exist to be projected.
 SCALES = ("smoke", "standard", "large")
+# A size that belongs to every scale: a user's model has the one size it was built at.
+ANY_SCALE = "any"
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class SizeSpec:
 
     Attributes:
         name: the id users type (`gpt2-124m`).
-        scale: `smoke`, `standard` or `large`.
+        scale: `smoke`, `standard`, `large`, or `any` (every scale).
         config: the model's hyper-parameters (layers, hidden size, ...), passed to the builder.
         batch_size: the default batch for this size.
         seq_len: tokens per sample for language models, None for vision.
@@ -49,12 +52,66 @@ class SizeSpec:
 
 
 @dataclass(frozen=True)
+class AttentionRoles:
+    """Attribute names, inside an attention module, of its fused [q; k; v] projection (heads contiguous
+    within each of q, k and v), its output projection and its head count: what head pruning rebuilds."""
+
+    qkv: str = "qkv"
+    out: str = "proj"
+    heads: str = "n_head"
+
+
+@dataclass(frozen=True)
+class MlpRoles:
+    """Attribute names, inside an MLP module, of its expanding layer, its optional gate (SwiGLU) and
+    its contracting layer: what neuron pruning rebuilds."""
+
+    up: str = "up"
+    down: str = "down"
+    gate: str | None = None
+
+
+@dataclass(frozen=True)
+class ConvRoles:
+    """A residual bottleneck's prunable convs: (conv, its norm, the conv that consumes its channels)."""
+
+    pairs: tuple[tuple[str, str, str], ...] = (("conv1", "bn1", "conv2"), ("conv2", "bn2", "conv3"))
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What techniques and the projection need to know about a workload, declared by the workload, so
+    nothing outside it branches on its name.
+
+    Attributes:
+        convolutional: its compute is mostly convolutions (cuDNN runs fp32 convolutions on TF32
+            tensor cores; Linear-only techniques such as fp8 or 2:4 would touch only its classifier).
+        batch_norm: it has BatchNorm layers, which need more than one sample per channel in training.
+        uniform_blocks: its repeated blocks all have the same shape, so one can stand for all
+            (cross-layer sharing).
+        depth_key: the config key holding the number of repeated blocks, for depth extrapolation in
+            projection; None where the model is not a stack of identical blocks.
+        max_seq_key: the config key holding the longest sequence the model accepts (language models).
+        attention, mlp, bottleneck: module roles for structured pruning; None where it has none.
+    """
+
+    convolutional: bool = False
+    batch_norm: bool = False
+    uniform_blocks: bool = False
+    depth_key: str | None = None
+    max_seq_key: str | None = None
+    attention: AttentionRoles | None = None
+    mlp: MlpRoles | None = None
+    bottleneck: ConvRoles | None = None
+
+
+@dataclass(frozen=True)
 class Workload:
     """A benchmarked model with everything the harness needs to train, serve and account for it.
 
     Attributes:
-        name: `resnet50`, `bert` or `gpt`.
-        kind: `vision`, `encoder` or `decoder` (techniques check this, never the name).
+        name: `resnet50`, `bert` or `gpt` (or a user's model: `model:pkg.mod:factory`, `hf:config.json`).
+        kind: a description for people (`vision`, `encoder`, `decoder`); code reads `traits` instead.
         sizes: size id -> SizeSpec.
         build: size -> a freshly initialised nn.Module on the CPU, in float32.
         batch: (size, batch_size, generator) -> dict of input tensors on the CPU.
@@ -64,6 +121,7 @@ class Workload:
         forward_flops_per_sample: size -> analytic matmul/conv FLOPs of one forward pass per sample.
         train_flops_per_sample: size -> FLOPs of forward + backward per sample.
         accuracy_metric: name of the metric of its accuracy task (`top1`, `mlm-accuracy`, ...).
+        traits: what techniques and the projection need to know about it (see `Traits`).
     """
 
     name: str
@@ -77,6 +135,7 @@ class Workload:
     forward_flops_per_sample: Callable[[SizeSpec], float]
     train_flops_per_sample: Callable[[SizeSpec], float]
     accuracy_metric: str = ""
+    traits: Traits = Traits()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def size(self, name: str) -> SizeSpec:
@@ -88,8 +147,24 @@ class Workload:
             raise ValueError(f"unknown size {name!r} for workload {self.name!r}; valid: {valid}") from None
 
     def sizes_at(self, scale: str) -> list[SizeSpec]:
-        """The sizes that belong to `scale`."""
-        return [s for s in self.sizes.values() if s.scale == scale]
+        """The sizes that belong to `scale` (a size of scale `any` belongs to all)."""
+        return [s for s in self.sizes.values() if s.scale in (scale, ANY_SCALE)]
+
+    def depth(self, size: SizeSpec) -> int | None:
+        """The number of repeated blocks of `size`, or None if the model is not a uniform stack."""
+        key = self.traits.depth_key
+        return size.config.get(key) if key else None
+
+    def with_depth(self, size: SizeSpec, layers: int) -> SizeSpec:
+        """The same size with `layers` repeated blocks (for depth extrapolation)."""
+        if self.traits.depth_key is None:
+            raise ValueError(f"workload {self.name!r} declares no depth key: it cannot be extrapolated in depth")
+        return dataclasses.replace(size, config={**size.config, self.traits.depth_key: layers})
+
+    def max_seq_len(self, size: SizeSpec) -> int | None:
+        """The longest sequence `size` accepts, or None (vision, or not declared)."""
+        key = self.traits.max_seq_key
+        return size.config.get(key) if key else None
 
     def tokens_per_sample(self, size: SizeSpec) -> int | None:
         """Tokens one sample carries (language models), None for vision."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from suites.workloads.base import Batch, SizeSpec, Workload
+from suites.workloads.base import AttentionRoles, Batch, MlpRoles, SizeSpec, Traits, Workload
 
 MASK_PROB = 0.15  # fraction of tokens to predict (Devlin et al. 2019, section 3.1)
 IGNORE = -100  # cross entropy's ignore_index, the label of unmasked positions as in HuggingFace
@@ -213,4 +213,6 @@ WORKLOAD = Workload(
     forward_flops_per_sample=forward_flops_per_sample,
     train_flops_per_sample=train_flops_per_sample,
     accuracy_metric="mlm-accuracy",
+    traits=Traits(uniform_blocks=True, depth_key="n_layer", max_seq_key="max_positions",
+                  attention=AttentionRoles(qkv="qkv", out="proj", heads="n_head"), mlp=MlpRoles(up="up", down="down")),
 )

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from suites.workloads.base import Batch, SizeSpec, Workload
+from suites.workloads.base import AttentionRoles, Batch, MlpRoles, SizeSpec, Traits, Workload
 
 FAMILIES = ("gpt2", "llama")
 
@@ -300,4 +300,7 @@ WORKLOAD = Workload(
     forward_flops_per_sample=forward_flops_per_sample,
     train_flops_per_sample=train_flops_per_sample,
     accuracy_metric="next-token-accuracy",
+    traits=Traits(uniform_blocks=True, depth_key="n_layer", max_seq_key="block_size",
+                  attention=AttentionRoles(qkv="qkv", out="proj", heads="n_head"),
+                  mlp=MlpRoles(up="up", gate="gate", down="proj")),
 )

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from suites.workloads.base import Batch, SizeSpec, Workload
+from suites.workloads.base import Batch, ConvRoles, SizeSpec, Traits, Workload
 
 # (width, blocks, stride) of the four stages; outputs are 4x the width (He et al. 2015, Table 1).
 STAGES = ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))
@@ -122,4 +122,5 @@ WORKLOAD = Workload(
     forward_flops_per_sample=forward_flops_per_sample,
     train_flops_per_sample=train_flops_per_sample,
     accuracy_metric="top1",
+    traits=Traits(convolutional=True, batch_norm=True, bottleneck=ConvRoles()),
 )

@@ -18,33 +18,37 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.cell import MeasureSettings, base_record
-from harness.plan import Cell, support_reason
+from harness.cell import Cell, ResolvedCell
+from harness.measure.local import MeasureSettings
+from harness.outcome import failure, to_record
 from harness.profiles import GpuProfile
-from harness.project import project_cell
+from harness.project import project_outcome
 from harness.provenance import REPO_ROOT
 from harness.records import Record, ResultsStore
-from harness.twins import KEY, twin_errors
+from harness.twins import twin_errors, twin_pairs
 
 DEFAULT_CELL_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
-class RunOptions:
+class RunnerOptions:
+    """How a plan is run: the run's id, each measured cell's time limit and measurement settings."""
+
     run_id: str
     cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S
     settings: MeasureSettings = MeasureSettings()
     profiles_dir: str | None = None
     # The module run as `python -m <cell_entry> SPEC RESULT`; tests swap in one that misbehaves.
-    cell_entry: str = "harness.cell"
+    cell_entry: str = "harness.measure.process"
 
 
-def run_isolated(cell: Cell, options: RunOptions) -> Record:
+def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
     """Measure `cell` in a fresh Python process; turn any way it can fail into a row."""
+    named = cell.cell if isinstance(cell, ResolvedCell) else cell
     with tempfile.TemporaryDirectory(prefix="headroom-cell-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps({
-            "cell": cell.to_dict(), "run_id": options.run_id, "settings": asdict(options.settings),
+            "cell": named.to_dict(), "run_id": options.run_id, "settings": asdict(options.settings),
             "profiles_dir": options.profiles_dir}))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                                          os.environ.get("PYTHONPATH")])))
@@ -58,13 +62,12 @@ def run_isolated(cell: Cell, options: RunOptions) -> Record:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-            return base_record(cell, options.run_id, "measured", "timeout",
-                               f"exceeded --cell-timeout {options.cell_timeout_s:g} s",
-                               wall_time_s=time.perf_counter() - started)
+            return to_record(cell, failure("timeout", f"exceeded --cell-timeout {options.cell_timeout_s:g} s",
+                                           wall_time_s=time.perf_counter() - started), options.run_id)
         if result_path.exists():
             return Record(**json.loads(result_path.read_text(encoding="utf-8")))
-        return base_record(cell, options.run_id, "measured", *_crash_reason(process.returncode, stderr),
-                           wall_time_s=time.perf_counter() - started)
+        status, reason = _crash_reason(process.returncode, stderr)
+        return to_record(cell, failure(status, reason, wall_time_s=time.perf_counter() - started), options.run_id)
 
 
 def _die_with_parent() -> None:
@@ -88,7 +91,7 @@ def _crash_reason(returncode: int, stderr: str) -> tuple[str, str]:
     return "error", f"cell process exited with code {returncode} without a result; last stderr line: {tail[0][:300]}"
 
 
-def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsStore, options: RunOptions,
+def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsStore, options: RunnerOptions,
              on_done: Callable[[int, int, Cell, Record | None], None] | None = None,
              resume: bool = False) -> list[Record]:
     """Run every cell not already in the store (when resuming) and write rows as they finish."""
@@ -99,13 +102,7 @@ def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsS
             if on_done:
                 on_done(index, len(cells), cell, None)
             continue
-        reason = support_reason(cell, profiles[cell.gpu])
-        if reason:
-            record = base_record(cell, options.run_id, cell.source, "unsupported", reason)
-        elif cell.source == "projected":
-            record = project_cell(cell, profiles[cell.gpu], options.run_id)
-        else:
-            record = run_isolated(cell, options)
+        record = run_cell(cell, profiles, options)
         store.add(record)
         if cell.source == "measured":
             # Keep the frame current through slow measured cells; projected cells take milliseconds
@@ -118,14 +115,23 @@ def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsS
     return records
 
 
+def run_cell(cell: Cell, profiles: dict[str, GpuProfile], options: RunnerOptions) -> Record:
+    """The row of one cell: resolved once here; unsupported without a process, projected in this
+    process, measured in its own."""
+    try:
+        resolved = cell.resolve(profiles)
+    except ValueError as exc:
+        return to_record(cell, failure("error", str(exc)), options.run_id)
+    if resolved.unsupported:
+        return to_record(resolved, failure("unsupported", resolved.unsupported), options.run_id)
+    if cell.source == "projected":
+        return to_record(resolved, project_outcome(resolved), options.run_id)
+    return run_isolated(resolved, options)
+
+
 def attach_twin_errors(store: ResultsStore) -> None:
-    """Give each projected row that has a measured twin (same cell, same device) its relative error."""
-    rows = store.rows()
-    measured = {tuple(r[k] for k in KEY): r for r in rows if r["source"] == "measured" and r["status"] == "ok"}
-    for row in rows:
-        twin = measured.get(tuple(row[k] for k in KEY))
-        if row["source"] != "projected" or row["status"] != "ok" or twin is None:
-            continue
+    """Give each projected row that has a measured twin (harness/twins.py) its relative errors."""
+    for row, twin in twin_pairs(store.rows()):
         updated = dict(row, **twin_errors(row, twin))
         if updated != row:
             store.add(Record(**updated))

@@ -1,0 +1,124 @@
+"""Measure one resolved cell on the local device: build, transform, warm up, read memory, time steps.
+
+Returns an `Outcome` (harness/outcome.py), as projection does; nothing here is shared with projection,
+so each checks the other. Exceptions propagate: the cell's process turns them into rows.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+from harness.cell import ResolvedCell
+from harness.measure.memory import probe_for
+from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from harness.measure.timing import time_steps
+from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
+from harness.provenance import nvml_info
+from harness.records import DEFAULT_NOISE_THRESHOLD
+from suites.step import Step
+from suites.techniques import Run, Unsupported
+from suites.workloads.base import count_parameters
+
+# Extra warm-up steps allowed for fp16 loss scaling to settle (each overflow halves the scale).
+MAX_SCALER_WARMUP = 30
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How hard to measure: warm-up steps, timed steps per repeat, repeats, and when a cell is noisy."""
+
+    warmup: int = 2
+    steps: int = 10
+    repeats: int = 3
+    seed: int = 0
+    noise_threshold: float = DEFAULT_NOISE_THRESHOLD
+
+
+class RestartWithEnvironment(Exception):
+    """The stack sets environment variables this process did not start with.
+
+    Allocator settings are read before any technique runs: the backend (`cudaMallocAsync`) when the
+    CUDA library loads with `import torch`, the rest when the device starts (c10/cuda's
+    CUDAAllocatorConfig). So the cell's process starts again with them (harness/measure/process.py)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        super().__init__(f"restart with {env}")
+        self.env = env
+
+
+def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
+    """Run and measure `cell` on the local device (its profile is this machine's)."""
+    started = time.perf_counter()
+    workload, spec, profile = cell.workload, cell.spec, cell.profile
+    device = torch.device("cuda" if profile.vendor != "cpu" else "cpu")
+    torch.manual_seed(settings.seed)
+    generator = torch.Generator().manual_seed(settings.seed)
+
+    probe = probe_for(device)
+    with probe:
+        run = Run(workload=workload, size=spec, mode=cell.mode, profile=profile, model=workload.build(spec),
+                  batch_size=cell.batch_size)
+        try:
+            cell.stack.apply(run)
+        except Unsupported as exc:
+            return failure("unsupported", str(exc), device_name=profile.name)
+        unset = {name: value for name, value in run.env.items() if os.environ.get(name) != value}
+        if unset:
+            raise RestartWithEnvironment(unset)
+        run.model = run.model.to(device)
+        step = Step(run, device)
+        batch = {k: v.to(device) for k, v in workload.batch(spec, cell.batch_size, generator).items()}
+        for _ in range(settings.warmup):
+            step(batch)
+        # fp16 loss scaling starts at 2**16 and skips the optimizer step while gradients overflow; warm
+        # up until a step was really taken, or the optimizer state (and its memory) would be missing.
+        for _ in range(MAX_SCALER_WARMUP):
+            if step.optimizer is None or step.optimizer.state:
+                break
+            step(batch)
+        probe.begin_measured_step()
+        loss = step(batch, mark=probe.mark)
+        probe.end_measured_step()
+    reading = probe.reading()
+    if cell.mode == "train" and not torch.isfinite(loss).all():
+        return failure("error", f"non-finite loss {loss.item()}", device_name=profile.name)
+
+    timing = time_steps(lambda: step(batch), settings.steps, settings.repeats, device)
+    # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    memory = MemoryFigures(
+        peak_allocated=reading.peak_allocated, peak_reserved=reading.peak_reserved, process_peak_rss=rss,
+        params=parameter_bytes(run.model), grads=gradient_bytes(run.model) if cell.mode == "train" else None,
+        optimizer=optimizer_state_bytes(step.optimizer), activations=_activations(reading, cell.mode),
+        param_count=count_parameters(run.model), alloc_retries=reading.alloc_retries, allocator=reading.allocator)
+    speed = SpeedFigures(
+        step_time_ms_p50=timing.percentile_ms(0.5), step_time_ms_p90=timing.percentile_ms(0.9),
+        throughput_samples_s=timing.throughput(cell.batch_size), step_time_cv=timing.cv,
+        noisy=timing.cv > settings.noise_threshold if timing.cv is not None else None,
+        timed_steps=len(timing.step_s))
+    return Outcome(
+        status="ok", precision=run.precision, memory=memory, speed=speed, device_name=_device_name(device),
+        driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
+        wall_time_s=time.perf_counter() - started, notes=run.notes)
+
+
+def _activations(reading, mode: str) -> int | None:
+    live = reading.live_at
+    if mode == "train" and "forward_start" in live and "forward_end" in live:
+        # What one micro-batch's forward leaves alive for backward: saved tensors and the loss.
+        return live["forward_end"][0] - live["forward_start"][0]
+    if "forward" in reading.peak_in and "forward_start" in live:
+        # Inference keeps nothing for backward: its activations are the forward's transient peak.
+        return reading.peak_in["forward"] - live["forward_start"][0]
+    return None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu x{torch.get_num_threads()} threads"

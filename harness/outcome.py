@@ -1,0 +1,149 @@
+"""The outcome of a cell, and the one function that turns it into a row.
+
+Measuring a cell (harness/measure/) and projecting it (harness/project/) each return an `Outcome`:
+status, memory, speed, fit and notes, in the same types and units. `to_record` adds the cell's
+identity, the figures derived from speed (tokens/s, MFU, cost: harness/metrics.py) and provenance,
+so a measured and a projected row cannot disagree on what a column means, and a new column is added
+here (and in records.py and the report) once. The two paths still share no *measuring* code, so one
+checks the other.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import torch
+
+from harness.cell import Cell, ResolvedCell
+from harness.metrics import speed_and_cost
+from harness.model_flops import analytic_flops_per_sample, model_flops_per_sample
+from harness.provenance import git_sha
+from harness.records import Record
+
+
+@dataclass
+class MemoryFigures:
+    """Bytes (None: unknown). Measured rows fill what their device reports; projected rows what the
+    trace and the allocator model give (see the Record's columns for each figure's meaning)."""
+
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    reserved_expandable: int | None = None  # projected only
+    reserved_async: int | None = None  # projected only
+    device_overhead: int | None = None
+    library_workspaces: int | None = None
+    params: int | None = None
+    grads: int | None = None
+    optimizer: int | None = None
+    activations: int | None = None
+    temporaries: int | None = None
+    param_count: int | None = None
+    process_peak_rss: int | None = None  # measured only
+    alloc_retries: int | None = None  # measured CUDA only
+    allocator: str | None = None  # measured CUDA only: the setting the process ran under
+
+
+@dataclass
+class SpeedFigures:
+    """One step's time and the throughput it gives (samples per second of timed loops)."""
+
+    step_time_ms_p50: float
+    throughput_samples_s: float
+    step_time_ms_p90: float | None = None
+    step_time_cv: float | None = None
+    noisy: bool | None = None
+    timed_steps: int | None = None
+
+
+@dataclass
+class Outcome:
+    """What measuring or projecting a cell gave.
+
+    Attributes:
+        status: `ok`, `oom`, `unsupported`, `error` or `timeout` (records.STATUSES).
+        reason: why, for any status but `ok`.
+        precision: the label the stack left on the run (`fp32`, `bf16-mixed`, ...).
+        memory, speed: the figures; None where the cell has none (an oom has no speed).
+        fits: whether the step runs in the device's memory (None: no memory size to judge against).
+        notes: facts worth keeping beside the figures.
+    """
+
+    status: str
+    reason: str = ""
+    precision: str | None = None
+    memory: MemoryFigures | None = None
+    speed: SpeedFigures | None = None
+    fits: bool | None = None
+    device_name: str | None = None
+    driver_version: str | None = None
+    wall_time_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def failure(status: str, reason: str, **values) -> Outcome:
+    """An outcome without figures: unsupported, error, timeout, or an oom without a reading."""
+    return Outcome(status=status, reason=reason, **values)
+
+
+def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Record:
+    """The row of `outcome`. A cell that could not be resolved (an unknown name in a crashed
+    process's spec) still gets its identity; figures derived from speed need the resolved cell."""
+    resolved = cell if isinstance(cell, ResolvedCell) else None
+    named = resolved.cell if resolved else cell
+    notes = list(outcome.notes)
+    values: dict = {}
+    if resolved is not None:
+        values.update(seq_len=resolved.spec.seq_len, image_size=resolved.spec.image_size,
+                      accuracy_metric=resolved.workload.accuracy_metric or None)
+        values["device_name"] = outcome.device_name or resolved.profile.name
+    if outcome.memory is not None:
+        values.update(_memory_columns(outcome.memory))
+    if outcome.speed is not None and resolved is not None:
+        values.update(_speed_columns(resolved, outcome, notes))
+    fits = outcome.fits
+    if fits is None and named.source == "measured" and outcome.status in ("ok", "oom"):
+        fits = outcome.status == "ok"  # a measured step that ran did fit; one that ran out did not
+    return Record(
+        run_id=run_id, workload=named.workload, size=named.size, mode=named.mode, technique=named.technique,
+        gpu=named.gpu, source=named.source, status=outcome.status, reason=outcome.reason, cell_id=named.cell_id,
+        batch_size=named.batch_size, precision=outcome.precision, fits=fits,
+        torch_version=torch.__version__, cuda_version=torch.version.cuda if torch.cuda.is_available() else None,
+        driver_version=outcome.driver_version, git_sha=git_sha(), hostname=socket.gethostname(),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"), wall_time_s=outcome.wall_time_s,
+        notes="; ".join(filter(None, notes)), **values)
+
+
+def _memory_columns(memory: MemoryFigures) -> dict:
+    return dict(
+        peak_allocated_bytes=memory.peak_allocated, peak_reserved_bytes=memory.peak_reserved,
+        peak_reserved_expandable_bytes=memory.reserved_expandable, peak_reserved_async_bytes=memory.reserved_async,
+        device_overhead_bytes=memory.device_overhead, library_workspace_bytes=memory.library_workspaces,
+        params_bytes=memory.params, grads_bytes=memory.grads, optimizer_bytes=memory.optimizer,
+        activations_bytes=memory.activations, temporaries_bytes=memory.temporaries, param_count=memory.param_count,
+        process_peak_rss_bytes=memory.process_peak_rss, alloc_retries=memory.alloc_retries,
+        allocator=memory.allocator)
+
+
+def _speed_columns(resolved: ResolvedCell, outcome: Outcome, notes: list[str]) -> dict:
+    """Speed as measured or projected, and what derives from it (model FLOPs, tokens/s, MFU, cost)."""
+    speed = outcome.speed
+    flops_per_sample = flops_per_sample_of(resolved, notes)
+    derived = speed_and_cost(resolved.profile, outcome.precision or "fp32", flops_per_sample,
+                             speed.throughput_samples_s, resolved.spec.seq_len,
+                             convolutional=resolved.workload.traits.convolutional)
+    return dict(step_time_ms_p50=speed.step_time_ms_p50, step_time_ms_p90=speed.step_time_ms_p90,
+                step_time_cv=speed.step_time_cv, noisy=speed.noisy, timed_steps=speed.timed_steps,
+                throughput_samples_s=speed.throughput_samples_s,
+                flops_per_step=flops_per_sample * resolved.batch_size, **derived)
+
+
+def flops_per_sample_of(resolved: ResolvedCell, notes: list[str]) -> float:
+    """Model FLOPs per sample of the model the stack builds; where counting the transformed model fails,
+    the model as built, with a note (a finished measurement must not be lost to its MFU's numerator)."""
+    try:
+        return model_flops_per_sample(resolved)
+    except Exception as exc:
+        notes.append(f"model FLOPs of the model as built, not as transformed ({type(exc).__name__}: {exc})")
+        return analytic_flops_per_sample(resolved.workload, resolved.spec, resolved.mode)

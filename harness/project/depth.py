@@ -1,0 +1,59 @@
+"""Depth extrapolation: a deep model of identical blocks is traced at two small depths and projected to
+its own, since memory, FLOPs and bytes are affine in the number of identical layers. GPT-3 175B thus
+projects in about a second. The workload names its depth key (Traits.depth_key).
+"""
+
+from __future__ import annotations
+
+from harness.cell import ResolvedCell
+from harness.project.trace import OpCost, StepTrace, traced
+
+# Models deeper than this are traced at TRACE_DEPTHS layers and extrapolated.
+EXTRAPOLATE_ABOVE = 4
+TRACE_DEPTHS = (2, 3)
+
+
+def traced_to_depth(cell: ResolvedCell, profile) -> tuple[StepTrace, StepTrace, tuple[int, ...]]:
+    """(the cell's step trace, the trace whose allocation log stands for it, the depths extrapolated
+    from): traced whole, or at TRACE_DEPTHS and extrapolated to the cell's depth."""
+    depth = cell.workload.depth(cell.spec)
+    if depth is None or depth <= EXTRAPOLATE_ABOVE:
+        trace = traced(cell, profile)
+        return trace, trace, ()
+    low, high = TRACE_DEPTHS
+    trace_low = traced(cell.with_spec(cell.workload.with_depth(cell.spec, low)), profile)
+    trace_high = traced(cell.with_spec(cell.workload.with_depth(cell.spec, high)), profile)
+    return _extrapolated_trace(trace_low, trace_high, low, high, depth), trace_high, TRACE_DEPTHS
+
+
+def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> float:
+    return a + (b - a) * (depth - depth_a) / (depth_b - depth_a)
+
+
+def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: int) -> StepTrace:
+    """A trace at `depth` layers from traces at `low` and `high`: every total is affine in the depth."""
+
+    def lin(x: float, y: float) -> float:
+        return _extrapolate(x, y, low, high, depth)
+
+    def cost(key) -> OpCost:
+        x, y = a.costs.get(key, OpCost()), b.costs[key]
+        return OpCost(count=round(lin(x.count, y.count)), flops=lin(x.flops, y.flops), bytes=lin(x.bytes, y.bytes))
+
+    # Each phase's peak is affine in the depth, the step's peak (their maximum) is not: the phase that
+    # peaks can change between the traced depths and the real one (the optimizer step's share grows).
+    phases = [p for p in b.phase_peaks if p in a.phase_peaks] or [None]
+    peaks = {p: lin(a.phase_peaks[p], b.phase_peaks[p]) if p else lin(a.peak_bytes, b.peak_bytes) for p in phases}
+    top = max(phases, key=lambda p: peaks[p])
+    at_a, at_b = (a.phase_at_peak[top], b.phase_at_peak[top]) if top else (a.at_peak, b.at_peak)
+    return StepTrace(
+        peak_bytes=round(peaks[top]),
+        at_peak={k: round(lin(at_a.get(k, 0), at_b.get(k, 0))) for k in set(at_a) | set(at_b)},
+        params_bytes=round(lin(a.params_bytes, b.params_bytes)), grads_bytes=round(lin(a.grads_bytes, b.grads_bytes)),
+        optimizer_bytes=round(lin(a.optimizer_bytes, b.optimizer_bytes)),
+        activations_bytes=round(lin(a.activations_bytes, b.activations_bytes)), events=[],
+        costs={key: cost(key) for key in b.costs}, precision=b.precision,
+        notes=b.notes + [f"extrapolated from traces at {low} and {high} layers to {depth}"],
+        untraced=b.untraced,
+        param_count=round(lin(a.param_count, b.param_count)),
+        phase_peaks={p: round(v) for p, v in peaks.items() if p})

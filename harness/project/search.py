@@ -1,0 +1,112 @@
+"""Searches over projections: the largest batch that fits a GPU, and the largest model size.
+
+Memory is affine in the batch for fixed shapes, so two projections give a guess that a few more
+confirm; sizes are tried from the smallest model up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.cell import ResolvedCell
+from suites.techniques import Stack, Unsupported
+from suites.techniques.accumulation import DEFAULT_MICRO_BATCHES
+from suites.workloads.base import SizeSpec, Workload, count_parameters
+
+# --max-batch searches up to this batch (an inference cell of a small model can fit far more).
+MAX_BATCH_LIMIT = 1 << 16
+
+
+def fits_at(cell: ResolvedCell, batch_size: int | None = None) -> bool:
+    """Whether the cell (at `batch_size`, default its own) fits its profile, as projected."""
+    from harness.project import project
+
+    return bool(project(cell if batch_size is None else cell.with_batch(batch_size)).memory.fits)
+
+
+def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, smallest: int | None = None) -> int:
+    """The largest batch (a multiple of `step`, at least `smallest`) whose projected memory fits the
+    cell's profile, 0 if none.
+
+    Memory is affine in the batch for fixed shapes: two projections give the slope, the solution is
+    checked by a projection at the answer and walked down (binary search) if the allocator's
+    rounding makes it miss.
+    """
+    from harness.project import project
+
+    profile = cell.profile.per_device()
+    if profile.vendor == "cpu" or profile.capacity_bytes is None:
+        raise ValueError(f"profile {profile.id} has no memory size to fit in: cannot solve for the largest batch")
+    start = max(step, smallest or step)
+    first = project(cell.with_batch(start)).memory
+    if not first.fits:
+        return 0
+    second = project(cell.with_batch(start + step)).memory
+    slope = (second.reserved["native"] - first.reserved["native"]) / step
+    budget = profile.capacity_bytes - first.overhead - first.reserved["native"]
+    guess = limit if slope <= 0 else min(limit, start + int(budget / slope) // step * step)
+    guess = max(start, guess - guess % step)
+
+    def fits(batch: int) -> bool:
+        return fits_at(cell, batch)
+
+    # Bracket the answer around the affine guess (low fits, high does not), then bisect.
+    if fits(guess):
+        low, high, jump = guess, guess + step, step
+        while high <= limit and fits(high):
+            low, jump = high, jump * 2
+            high = low + jump
+        if high > limit:
+            return low
+    else:
+        low, high = start, guess
+    while high - low > step:
+        middle = (low + high) // 2 // step * step
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def batch_step(stack: Stack) -> int:
+    """The batch must be a multiple of this: accumulation splits it into equal micro-batches."""
+    return DEFAULT_MICRO_BATCHES if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
+
+
+def smallest_batch(stack: Stack, workload: Workload, mode: str) -> int:
+    """The smallest batch the cell can take: one sample per micro-batch, two where BatchNorm trains
+    (it needs more than one value per channel, and a conv net's last feature map may be 1 x 1)."""
+    return batch_step(stack) * (2 if workload.traits.batch_norm and mode == "train" else 1)
+
+
+@dataclass(frozen=True)
+class LargestModel:
+    """The answer of `largest_model`: a size id or None, the batch it was judged at, and why none."""
+
+    size: str | None
+    batch_size: int
+    reason: str = ""
+
+
+def largest_model(cell: ResolvedCell) -> LargestModel:
+    """The largest size of the cell's workload that fits its profile at its smallest batch under its
+    stack (the cell's own size and batch are ignored)."""
+    workload, stack = cell.workload, cell.stack
+    batch = smallest_batch(stack, workload, cell.mode)
+    if cell.unsupported:
+        return LargestModel(None, batch, f"unsupported: {cell.unsupported}")
+    best = None
+    for spec in sorted(workload.sizes.values(), key=lambda s: _param_estimate(workload, s)):
+        try:
+            fits = fits_at(cell.with_spec(spec).with_batch(batch))
+        except Unsupported as exc:
+            return LargestModel(best, batch, f"{spec.name} unsupported: {exc}")
+        if not fits:
+            return LargestModel(best, batch, "" if best else f"even {spec.name} does not fit")
+        best = spec.name
+    return LargestModel(best, batch)
+
+
+def _param_estimate(workload: Workload, spec: SizeSpec) -> int:
+    with torch.device("meta"):
+        return count_parameters(workload.build(spec))
