@@ -1,5 +1,6 @@
 """Sessions: `nox` (lint + tests), `nox -s bench` (this machine), `nox -s bench-<family>` per GPU family,
-`tests_older_torch` (the suite on torch 2.6 and 2.11; not run by default).
+`tests_on-3.12` (the suite on another Python), `tests_older_torch` (on torch 2.6 and 2.11; not run by default).
+Sessions run on the oldest of Python 3.11-3.13 that is installed, and fail where none is.
 
 The bench-<family> sessions are generated from gpu_profiles/*.toml, so adding a profile with a new
 family adds its session.
@@ -7,6 +8,8 @@ family adds its session.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -14,9 +17,23 @@ import nox
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
+# A session whose Python is missing fails instead of being skipped with exit code 0 (which reads as a pass).
+nox.options.error_on_missing_interpreters = True
 
 ROOT = Path(__file__).parent
-PYTHON = "3.11"
+SUPPORTED_PYTHONS = ("3.11", "3.12", "3.13")  # pyproject: requires-python >= 3.11
+
+
+def _runs(version: str) -> bool:
+    """Whether `python<version>` is on the PATH and starts (a pyenv shim for a version pyenv is not told
+    to use is on the PATH but fails)."""
+    executable = shutil.which(f"python{version}")
+    return executable is not None and subprocess.run([executable, "-c", ""], capture_output=True).returncode == 0
+
+
+INSTALLED_PYTHONS = [version for version in SUPPORTED_PYTHONS if _runs(version)]
+# The sessions run on the oldest supported Python installed; with none installed, nox fails naming 3.11.
+PYTHON = (INSTALLED_PYTHONS or SUPPORTED_PYTHONS)[0]
 
 
 def _install(session: nox.Session) -> None:
@@ -26,7 +43,14 @@ def _install(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The test suite, CPU only."""
+    """The test suite, CPU only, on the oldest supported Python installed."""
+    _install(session)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=list(SUPPORTED_PYTHONS), default=False)
+def tests_on(session: nox.Session) -> None:
+    """The test suite on one named Python: `nox -s tests_on-3.12` (CI runs it beside `tests`)."""
     _install(session)
     session.run("pytest", *session.posargs)
 

@@ -9,6 +9,7 @@ there; nothing downstream looks a name up again.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from dataclasses import asdict, dataclass
 
@@ -18,6 +19,8 @@ from suites.workloads import get_workload
 from suites.workloads.base import SizeSpec, Workload
 
 MODES = ("train", "infer")
+# Longest cell id: a file name holds 255 bytes, and the results store adds ".", ".json" and a temp suffix.
+MAX_CELL_ID = 200
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,16 @@ class Cell:
 
     @property
     def cell_id(self) -> str:
-        """A filesystem-safe, unique and stable name: the key for resuming."""
+        """A filesystem-safe, unique and stable name: the key for resuming. A long one (a user model's
+        path) is cut and ends in a hash of the whole, so it fits a file name (255 bytes, with the
+        store's temp-file prefix and suffix) and stays unique."""
         raw = f"{self.workload}__{self.size}__{self.mode}__{self.technique}__{self.gpu}__b{self.batch_size}"
         if self.source != "measured":
             raw += f"__{self.source}"
-        return re.sub(r"[^A-Za-z0-9_.+-]", "_", raw)
+        safe = re.sub(r"[^A-Za-z0-9_.+-]", "_", raw)
+        if len(safe) > MAX_CELL_ID:
+            safe = f"{safe[:MAX_CELL_ID - 17]}__{hashlib.sha256(raw.encode()).hexdigest()[:15]}"
+        return safe
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,10 +63,12 @@ class Cell:
         if self.gpu not in profiles:
             raise ValueError(unknown_name("GPU profile id", self.gpu, sorted(profiles)))
         workload = get_workload(self.workload)
-        spec = spec or workload.size(self.size)
+        spec = spec or (workload.size(self.size) if self.size else workload.default_size())
         stack = parse_stack(self.technique)
         profile = profiles[self.gpu]
-        return ResolvedCell(self, workload, spec, stack, profile, stack.check(profile, workload, self.mode))
+        # The names as the row records them: the stack's canonical spelling, the workload's own name.
+        named = dataclasses.replace(self, technique=stack.name, workload=workload.name, size=spec.name)
+        return ResolvedCell(named, workload, spec, stack, profile, stack.check(profile, workload, self.mode))
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, default=10, help="timed steps per repeat (at least 10)")
     run.add_argument("--repeats", type=int, default=3, help="timed loops per cell (their spread flags noise)")
     run.add_argument("--noise-threshold", type=float, default=None, metavar="CV",
-                     help="flag a cell noisy above this coefficient of variation (default 0.05)")
+                     help="flag a cell noisy above this coefficient of variation across repeats, or with its "
+                          "mean step more than twice this off its median (default 0.05)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in --out")
     run.add_argument("--require-device", action="store_true",
                      help="refuse instead of projecting when a requested GPU is not this machine's")
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     project.add_argument("--workload", default=None, help="default: gpt, or your own model's")
     _add_user_model_flags(project)
     project.add_argument("--size", default=None, help="size id (default: the workload's canonical size)")
-    project.add_argument("--gpu", required=True, help="profile id")
+    project.add_argument("--gpu", required=True, help="profile id or family (every variant of it)")
     project.add_argument("--technique", default="baseline", metavar="STACK")
     project.add_argument("--mode", default="train", help="train or infer")
     batch = project.add_mutually_exclusive_group()
@@ -103,7 +104,8 @@ def _add_user_model_flags(command: argparse.ArgumentParser) -> None:
 
 def _user_workloads(args) -> list[str]:
     """The workload names `--model` and `--hf-config` stand for (suites/workloads: user.py, hf.py)."""
-    return [f"model:{factory}" for factory in args.model] + [f"hf:{path.resolve()}" for path in args.hf_config]
+    return ([f"model:{factory}" for factory in args.model]
+            + [f"hf:{path.expanduser().resolve()}" for path in args.hf_config])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,25 +142,19 @@ def cmd_run(args) -> int:
     console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
     profiles = _profiles(args)
     local = detect_local(profiles)
-    gpus = resolve_gpus(args.gpu, profiles) if args.gpu else [local]
-    if args.steps < 10:
-        raise UsageError(f"--steps must be at least 10 timed steps, got {args.steps}")
-    if args.repeats < 1 or args.warmup < 0:
-        raise UsageError("--repeats must be >= 1 and --warmup >= 0")
+    gpus = resolve_gpus(args.gpu, profiles) if args.gpu else None
+    settings = MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats,
+                               noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD)
     plan = plan_run(local, gpus, workloads=(args.workload or []) + _user_workloads(args) or None,
-                    stacks=args.technique, modes=args.mode, scale=args.scale,
-                    sizes=args.size, batch_size=args.batch_size)
-    if plan.foreign and args.require_device:
-        raise UsageError(f"--require-device: no {', '.join(g.id for g in plan.foreign)} on this machine "
-                         f"(local device: {local.id}); run without it to project instead")
+                    stacks=args.technique, modes=args.mode, scale=args.scale, sizes=args.size,
+                    batch_size=args.batch_size, profiles=profiles, require_device=args.require_device)
     measured, projected, foreign, cells = plan.measured, plan.projected, plan.foreign, plan.cells
     run_id = new_run_id()
     store = ResultsStore(args.out or Path("results") / run_id)
     run_id = store.open(run_id, resume=args.resume)
     out = store.root
     options = RunnerOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
-                         settings=MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats,
-                                                  noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD),
+                            settings=settings,
                          profiles_dir=args.profiles)
     console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), "
                   f"scale {plan.scale}; {len(projected)} projected cells" + (f" (scale {plan.projected_scale} "
@@ -179,7 +175,8 @@ def cmd_run(args) -> int:
             speed = (f"p50 {record.step_time_ms_p50:.2f} ms, {record.throughput_samples_s:.1f} samples/s, "
                      if record.step_time_ms_p50 is not None else "")
             detail = (speed + f"peak {record.peak_allocated_bytes / 2**20:.1f} MiB"
-                      + (f", NOISY (cv {record.step_time_cv:.1%})" if record.noisy else ""))
+                      + (f", NOISY (cv {record.step_time_cv or 0:.1%}, mean {record.step_time_ms_mean:.2f} ms)"
+                         if record.noisy else ""))
         console.print(f"[{index}/{total} {elapsed:5.0f}s] {cell.describe()}: {record.status}  {detail}")
 
     records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume)
@@ -199,27 +196,31 @@ def cmd_run(args) -> int:
 def cmd_project(args) -> int:
     import json
 
-    from harness.project.query import ProjectRequest, largest_model_answer, projected_row
+    from harness.project.query import ProjectRequest, largest_model_answers, projected_rows
 
     user = _user_workloads(args)
     if len(user) + bool(args.workload) > 1:
         raise UsageError("project answers for one model: give one of --workload, --model, --hf-config")
-    request = ProjectRequest(workload=args.workload or (user[0] if user else "gpt"), gpu=args.gpu, technique=args.technique, mode=args.mode,
-                             size=args.size, batch_size=args.batch_size, max_batch=args.max_batch,
-                             seq_len=args.seq_len)
+    named = {"workload": args.workload or user[0]} if args.workload or user else {}
+    request = ProjectRequest(gpu=args.gpu, technique=args.technique, mode=args.mode, size=args.size,
+                             batch_size=args.batch_size, max_batch=args.max_batch, seq_len=args.seq_len, **named)
     profiles = _profiles(args)
+    # A family name answers for each of its variants: one line of JSON each, or one table each.
     if args.largest_model:
-        answer = largest_model_answer(request, profiles)
-        print(json.dumps(answer) if args.format == "json" else
-              f"{answer['gpu']}: largest {answer['workload']} that fits ({answer['technique']}, {answer['mode']}, "
-              f"batch {answer['batch_size']}): {answer['largest_size_that_fits'] or 'none'}"
-              + (f" ({answer['reason']})" if answer["reason"] else ""))
+        for answer in largest_model_answers(request, profiles):
+            print(json.dumps(answer) if args.format == "json" else
+                  f"{answer['gpu']}: largest {answer['workload']} that fits ({answer['technique']}, "
+                  f"{answer['mode']}, batch {answer['batch_size']}): "
+                  f"{answer['largest_size_that_fits'] or 'none'}"
+                  + (f" ({answer['reason']})" if answer["reason"] else ""))
         return 0
-    row = projected_row(request, profiles).to_dict()
-    if args.format == "json":
-        print(json.dumps(row))
-    else:
+    for index, record in enumerate(projected_rows(request, profiles)):
+        row = record.to_dict()
+        if args.format == "json":
+            print(json.dumps(row))
+            continue
         width = max(map(len, row))
+        print("\n" * bool(index), end="")
         for key, value in row.items():
             print(f"{key:{width}}  {'-' if value in (None, '') else value}")
     return 0

@@ -52,6 +52,7 @@ class SpeedFigures:
     step_time_ms_p50: float
     throughput_samples_s: float
     step_time_ms_p90: float | None = None
+    step_time_ms_mean: float | None = None  # batch / throughput: the figure throughput is computed from
     step_time_cv: float | None = None
     noisy: bool | None = None
     timed_steps: int | None = None
@@ -100,11 +101,18 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
         values["device_name"] = outcome.device_name or resolved.profile.name
     if outcome.memory is not None:
         values.update(_memory_columns(outcome.memory))
-    if outcome.speed is not None and resolved is not None:
-        values.update(_speed_columns(resolved, outcome, notes))
+    if resolved is not None and (outcome.memory is not None or outcome.speed is not None):
+        # A cell with figures (ok, or a projected oom) has its model FLOPs; MFU and cost need speed too.
+        flops_per_sample = flops_per_sample_of(resolved, notes)
+        values["flops_per_step"] = flops_per_sample * resolved.batch_size if flops_per_sample else None
+        if outcome.speed is not None:
+            values.update(_speed_columns(resolved, outcome, flops_per_sample))
     fits = outcome.fits
-    if fits is None and named.source == "measured" and outcome.status in ("ok", "oom"):
-        fits = outcome.status == "ok"  # a measured step that ran did fit; one that ran out did not
+    if (fits is None and named.source == "measured" and outcome.status in ("ok", "oom") and resolved
+            and resolved.profile.vendor != "cpu"):
+        # On a GPU a measured step that ran did fit, one that ran out did not; the host CPU has no
+        # memory size to fit in (as its projected twin says: None).
+        fits = outcome.status == "ok"
     return Record(
         run_id=run_id, workload=named.workload, size=named.size, mode=named.mode, technique=named.technique,
         gpu=named.gpu, source=named.source, status=outcome.status, reason=outcome.reason, cell_id=named.cell_id,
@@ -126,24 +134,31 @@ def _memory_columns(memory: MemoryFigures) -> dict:
         allocator=memory.allocator)
 
 
-def _speed_columns(resolved: ResolvedCell, outcome: Outcome, notes: list[str]) -> dict:
-    """Speed as measured or projected, and what derives from it (model FLOPs, tokens/s, MFU, cost)."""
+def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: float | None) -> dict:
+    """Speed as measured or projected, and what derives from it (tokens/s, MFU, cost)."""
     speed = outcome.speed
-    flops_per_sample = flops_per_sample_of(resolved, notes)
-    derived = speed_and_cost(resolved.profile, outcome.precision or "fp32", flops_per_sample,
+    derived = speed_and_cost(resolved.profile, outcome.precision or "fp32", flops_per_sample or 0.0,
                              speed.throughput_samples_s, resolved.spec.seq_len,
                              convolutional=resolved.workload.traits.convolutional)
+    if not flops_per_sample:
+        derived["mfu"] = None  # unknown model FLOPs: no utilisation, rather than a 0
     return dict(step_time_ms_p50=speed.step_time_ms_p50, step_time_ms_p90=speed.step_time_ms_p90,
+                step_time_ms_mean=speed.step_time_ms_mean,
                 step_time_cv=speed.step_time_cv, noisy=speed.noisy, timed_steps=speed.timed_steps,
-                throughput_samples_s=speed.throughput_samples_s,
-                flops_per_step=flops_per_sample * resolved.batch_size, **derived)
+                throughput_samples_s=speed.throughput_samples_s, **derived)
 
 
-def flops_per_sample_of(resolved: ResolvedCell, notes: list[str]) -> float:
+def flops_per_sample_of(resolved: ResolvedCell, notes: list[str]) -> float | None:
     """Model FLOPs per sample of the model the stack builds; where counting the transformed model fails,
-    the model as built, with a note (a finished measurement must not be lost to its MFU's numerator)."""
+    the model as built, and where that fails too (a user's model whose forward branches on values fake
+    tensors cannot hold), None: each with a note, as a finished measurement must not be lost to its
+    MFU's numerator."""
     try:
         return model_flops_per_sample(resolved)
     except Exception as exc:
         notes.append(f"model FLOPs of the model as built, not as transformed ({type(exc).__name__}: {exc})")
+    try:
         return analytic_flops_per_sample(resolved.workload, resolved.spec, resolved.mode)
+    except Exception as exc:
+        notes[-1] = f"model FLOPs unknown, so no MFU: {type(exc).__name__}: {str(exc)[:200]}"
+        return None

@@ -20,6 +20,10 @@ DEFAULT_STACKS = ("baseline", "amp-bf16", "amp-fp16", "checkpointing", "grad-acc
 # GPUs this machine lacks are projected at the canonical sizes.
 DEFAULT_LOCAL_SCALE = {True: "smoke", False: "standard"}  # keyed by "the local device is a CPU"
 DEFAULT_PROJECTED_SCALE = "standard"
+# A first run on a machine without a GPU measures smoke sizes, which answer no buyer's question; it also
+# projects the sizes people quote and buy for (ResNet-50, BERT-base/-large, GPT-2 124M to GPT-3 175B
+# shapes) onto every GPU profile, so its report says what fits where, how fast, for how much.
+DAY_ONE_SCALES = ("standard", "large")
 
 
 def expand(workloads: list[str], stacks: list[str], gpus: list[GpuProfile], modes: list[str],
@@ -74,24 +78,36 @@ class RunPlan:
         return self.measured + self.projected
 
 
-def plan_run(local: GpuProfile, gpus: list[GpuProfile], workloads: list[str] | None = None,
+def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads: list[str] | None = None,
              stacks: list[str] | None = None, modes: list[str] | None = None, scale: str | None = None,
-             sizes: list[str] | None = None, batch_size: int | None = None) -> RunPlan:
+             sizes: list[str] | None = None, batch_size: int | None = None,
+             profiles: dict[str, GpuProfile] | None = None, require_device: bool = False) -> RunPlan:
     """The cells of a run on a machine whose device is `local`, asked for `gpus`.
 
     Every measured cell gets a projected twin (so the projection's error is known); GPUs this machine
-    lacks are projected, at the canonical sizes unless `scale` or `sizes` say otherwise. `stacks`
-    ['all'] means every technique and recipe."""
+    lacks are projected, at the canonical sizes unless `scale` or `sizes` say otherwise. With no `gpus`
+    asked for, the local device is measured, and where it is a CPU every GPU of `profiles` (None: none)
+    is projected at DAY_ONE_SCALES (unless `scale` or `sizes` are given). `require_device` refuses
+    (ValueError) GPUs this machine lacks instead of projecting them. `stacks` ['all'] means every
+    technique and recipe."""
+    day_one = (gpus is None and local.vendor == "cpu" and profiles is not None and not scale and not sizes
+               and not require_device)
+    if gpus is None:
+        gpus = [local] + ([p for p in profiles.values() if p.vendor != "cpu"] if day_one else [])
     workloads = workloads or list(WORKLOADS)
     stacks = stack_names() if stacks == ["all"] else (stacks or list(DEFAULT_STACKS))
     modes = modes or list(MODES)
     local_scale = scale or DEFAULT_LOCAL_SCALE[local.vendor == "cpu"]
     foreign = [g for g in gpus if g.id != local.id]
+    if foreign and require_device:
+        raise ValueError(f"--require-device: no {', '.join(g.id for g in foreign)} on this machine "
+                         f"(local device: {local.id}); run without it to project instead")
     measured = expand(workloads, stacks, [g for g in gpus if g.id == local.id], modes, scale=local_scale,
                       sizes=sizes, batch_size=batch_size)
     projected = [dataclasses.replace(c, source="projected") for c in measured]
-    projected_scale = scale or DEFAULT_PROJECTED_SCALE
+    projected_scales = DAY_ONE_SCALES if day_one else (scale or DEFAULT_PROJECTED_SCALE,)
     if foreign:
-        projected += expand(workloads, stacks, foreign, modes, scale=projected_scale, sizes=sizes,
-                            batch_size=batch_size, source="projected")
-    return RunPlan(measured, projected, local, foreign, local_scale, projected_scale)
+        for projected_scale in projected_scales:
+            projected += expand(workloads, stacks, foreign, modes, scale=projected_scale, sizes=sizes,
+                                batch_size=batch_size, source="projected")
+    return RunPlan(measured, projected, local, foreign, local_scale, "+".join(projected_scales))

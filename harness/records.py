@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
@@ -21,9 +22,10 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 5
-# A measured cell whose repeats' mean step times vary by more than this (coefficient of variation)
-# is flagged `noisy`: its timings are not to be trusted to a few percent.
+SCHEMA_VERSION = 6
+# A measured cell whose repeats' mean step times vary by more than this (coefficient of variation),
+# or whose mean step time is more than twice this off its median, is flagged `noisy`: its timings are
+# not to be trusted to a few percent (harness/measure/timing.py).
 DEFAULT_NOISE_THRESHOLD = 0.05
 STATUSES = ("ok", "oom", "unsupported", "error", "timeout")
 SOURCES = ("measured", "projected")
@@ -76,6 +78,7 @@ class Record:
     # speed
     step_time_ms_p50: float | None = None
     step_time_ms_p90: float | None = None
+    step_time_ms_mean: float | None = None  # over the timed loops: batch_size / throughput, to the bit
     step_time_cv: float | None = None
     noisy: bool | None = None
     timed_steps: int | None = None
@@ -191,8 +194,18 @@ def _v4_to_v5(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def _v5_to_v6(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 6 added the mean step time, which throughput already encoded: batch / throughput."""
+    batch = pd.to_numeric(frame["batch_size"], errors="coerce")
+    throughput = pd.to_numeric(frame["throughput_samples_s"], errors="coerce")
+    frame["step_time_ms_mean"] = [None if pd.isna(b) or pd.isna(t) or not t else 1e3 * b / t
+                                  for b, t in zip(batch, throughput, strict=True)]
+    frame["schema_version"] = 6
+    return frame
+
+
 # version -> function taking a frame of that version to the next one.
-MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
+MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6}
 
 
 def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:
@@ -203,19 +216,39 @@ def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:
     return frame
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and rename, so readers never see half a file."""
+def _umask_mode() -> int:
+    """The mode a new file gets under the process's umask (0644 under the usual 022): mkstemp makes its
+    files 0600, which would leave a published results folder unreadable to a web server."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(temporary path)` into a uniquely named temp file in the same folder, then rename it over
+    `path`, so readers never see half a file and two writers never share a temp file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        os.fchmod(fd, _umask_mode())
+        os.close(fd)
+        write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` atomically (see `atomic_write`), flushed to disk before the rename."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    atomic_write(path, write)
 
 
 def new_run_id() -> str:
@@ -274,9 +307,7 @@ class ResultsStore:
     def write_frame(self) -> pd.DataFrame:
         """Rebuild results.parquet and results.csv from the cell files, each atomically."""
         frame = records_frame(self.rows())
-        parquet_tmp = self.root / ".results.parquet.tmp"
-        frame.to_parquet(parquet_tmp, index=False)
-        os.replace(parquet_tmp, self.root / "results.parquet")
+        atomic_write(self.root / "results.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
         # Quote every text field: a bare carriage return in a reason would otherwise end a CSV row.
         atomic_write_text(self.root / "results.csv", frame.to_csv(index=False, quoting=csv.QUOTE_NONNUMERIC))
         return frame

@@ -33,12 +33,16 @@ def projected_reserved(projected: dict, measured: dict):
 
 def twin_errors(projected: dict, measured: dict) -> dict[str, float | None]:
     """The three error columns of a projected row against its measured twin. Only a CUDA twin has
-    a caching allocator to compare the allocator model with (a CPU twin's reserved is unknown)."""
+    a caching allocator to compare the allocator model with (a CPU twin's reserved is unknown), and a
+    twin whose timing is flagged noisy has no step time to compare with: its step-time error stays
+    unknown rather than reflect the machine's load."""
+    noisy = measured.get("noisy") is True or measured.get("noisy") == "True"
     return dict(
         peak_error_vs_measured=relative_error(projected["peak_allocated_bytes"], measured["peak_allocated_bytes"]),
         reserved_error_vs_measured=relative_error(projected_reserved(projected, measured),
                                                   measured["peak_reserved_bytes"]),
-        step_time_error_vs_measured=relative_error(projected["step_time_ms_p50"], measured["step_time_ms_p50"]))
+        step_time_error_vs_measured=None if noisy else relative_error(projected["step_time_ms_p50"],
+                                                                      measured["step_time_ms_p50"]))
 
 
 def twin_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:

@@ -28,6 +28,7 @@ TABLE_COLUMNS = [
     ("temporaries_bytes", "temporaries at peak", fmt.bytes_),
     ("step_time_ms_p50", "step p50 (ms)", lambda v: fmt.number(v, 2)),
     ("step_time_ms_p90", "step p90 (ms)", lambda v: fmt.number(v, 2)),
+    ("step_time_ms_mean", "step mean (ms)", lambda v: fmt.number(v, 2)),
     ("step_time_cv", "CV", fmt.percent), ("noisy", "noisy", lambda v: fmt.flag(v, "NOISY")),
     ("throughput_samples_s", "samples/s", fmt.number), ("tokens_per_s", "tokens/s", lambda v: fmt.number(v, 0)),
     ("mfu", "MFU", fmt.percent), ("usd_per_million_samples", "USD / M samples", fmt.usd),

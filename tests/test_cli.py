@@ -13,8 +13,8 @@ from harness.cli import main
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    code = main(["run", "--workload", "gpt", "--technique", "baseline,checkpointing", "--mode", "train,infer",
-                 "--repeats", "1", "--out", str(out)])
+    code = main(["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline,checkpointing", "--mode",
+                 "train,infer", "--repeats", "1", "--out", str(out)])
     return code, out
 
 

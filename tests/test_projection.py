@@ -161,8 +161,10 @@ def test_gpt3_175b_training_does_not_fit_one_gpu_and_says_by_how_much():
     # one fp32 copy of every parameter, are the whole peak.
     parts = record.params_bytes + record.grads_bytes + record.optimizer_bytes + record.temporaries_bytes
     assert parts + record.library_workspace_bytes == pytest.approx(record.peak_allocated_bytes, rel=0.01)
-    # A cell that cannot run has memory figures but no speed or cost, like a measured oom row.
+    # A cell that cannot run has memory figures but no speed or cost, like a measured oom row; the
+    # work one step would be is still known.
     assert record.source == "projected" and record.step_time_ms_p50 is None and record.mfu is None
+    assert record.flops_per_step == pytest.approx(6 * 175e9 * 2048, rel=0.05)
     assert record.usd_per_million_tokens is None
 
 
@@ -220,9 +222,22 @@ def test_project_command_largest_model(capsys):
     answers = {}
     for gpu, technique in (("h200", "amp-bf16"), ("t4", "amp-fp16")):
         assert main(["project", "--gpu", gpu, "--technique", technique, "--largest-model", "--format", "json"]) == 0
-        answers[gpu] = json.loads(capsys.readouterr().out)["largest_size_that_fits"]
-    assert answers["h200"] in ("gpt2-1.3b", "gpt-7b")
+        for line in capsys.readouterr().out.splitlines():  # a family answers for each variant
+            answer = json.loads(line)
+            answers[answer["gpu"]] = answer["largest_size_that_fits"]
+    assert set(answers) == {"h200", "h200-nvl", "t4"}
+    assert answers["h200"] in ("gpt2-1.3b", "gpt-7b") and answers["h200-nvl"] in ("gpt2-1.3b", "gpt-7b")
     assert answers["t4"] in ("gpt2-124m", "gpt2-350m")
+
+
+def test_project_takes_a_family_as_run_does(capsys):
+    assert main(["project", "--gpu", "h100", "--size", "smoke", "--format", "json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted(row["gpu"] for row in rows) == ["h100-nvl", "h100-pcie", "h100-sxm"]
+    assert main(["project", "--gpu", "h100-sxm", "--size", "smoke", "--format", "json"]) == 0
+    assert [json.loads(line)["gpu"] for line in capsys.readouterr().out.splitlines()] == ["h100-sxm"]
+    assert main(["project", "--gpu", "h1OO", "--size", "smoke"]) == 2
+    assert "unknown GPU 'h1OO'" in capsys.readouterr().err
 
 
 def test_largest_model_says_why_there_is_none_and_at_which_batch(capsys):
@@ -276,7 +291,7 @@ def test_max_batch_of_an_unsupported_stack_is_an_unsupported_row_without_a_searc
 
 
 def test_max_batch_says_when_it_stopped_at_its_search_limit(capsys):
-    assert main(["project", "--gpu", "h200", "--size", "smoke", "--mode", "infer", "--max-batch",
+    assert main(["project", "--gpu", "h200-nvl", "--size", "smoke", "--mode", "infer", "--max-batch",
                  "--format", "json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["batch_size"] == MAX_BATCH_LIMIT and "search limit" in record["notes"]

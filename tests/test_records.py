@@ -393,3 +393,23 @@ def test_large_ints_survive_next_to_missing(tmp_path):
 @example([_record("c1", reason="progress 10%\rprogress 20%", notes="n")])
 def test_round_trip_full_range(records):
     _round_trip(records)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_results_and_reports_are_written_with_the_users_umask(tmp_path, umask, mode):
+    # A published results folder must be readable by a web server: mkstemp's 0600 is not kept.
+    from reports.build import write_report
+
+    old = os.umask(umask)
+    try:
+        store = ResultsStore(tmp_path)
+        store.prepare()
+        store.add(_record("a"))
+        frame = store.write_frame()
+        write_report([frame], tmp_path / "report.html")
+    finally:
+        os.umask(old)
+    written = [*store.cells_dir.glob("*.json"), *(tmp_path / name for name in
+                                                  ("results.parquet", "results.csv", "report.html"))]
+    assert {path.name: stat.S_IMODE(path.stat().st_mode) for path in written} == {p.name: mode for p in written}
+    assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind

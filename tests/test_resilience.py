@@ -29,7 +29,7 @@ PROFILES = load_profiles()
 
 def test_sigkill_then_resume_records_every_cell_exactly_once(tmp_path):
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "harness.cli", "run", "--workload", "gpt,bert", "--technique",
+    argv = [sys.executable, "-m", "harness.cli", "run", "--gpu", "cpu", "--workload", "gpt,bert", "--technique",
             "baseline,amp-bf16", "--mode", "train", "--repeats", "1", "--no-report", "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     first = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

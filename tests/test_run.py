@@ -206,3 +206,21 @@ def test_a_resumed_run_keeps_its_run_id_so_twins_made_across_the_resume_pair(tmp
     store.add(Record(**identity, run_id="first", source="projected", cell_id="p", peak_allocated_bytes=1100))
     attach_twin_errors(store)
     assert {r["cell_id"]: r for r in store.rows()}["p"]["peak_error_vs_measured"] == pytest.approx(0.10)
+
+
+def test_a_long_workload_name_gets_a_cell_id_that_fits_a_file_name_and_stays_unique(tmp_path):
+    from harness.records import Record
+
+    # A Hugging Face config in its cache: a long absolute path, and a size named by a 40-digit hash.
+    path = "/home/alice/.cache/huggingface/hub/models--meta-llama--Llama-2-7b-hf/snapshots/" + "01c7" * 10
+    cells = [Cell(f"hf:{path}/{n}/config.json", "01c7" * 10, "train", "amp-bf16+checkpointing+grad-accumulation",
+                  "h100-sxm", 4, "projected") for n in ("a", "b")]
+    ids = [cell.cell_id for cell in cells]
+    assert ids[0] != ids[1] and all(len(i) <= 200 for i in ids)
+    store = ResultsStore(tmp_path)
+    store.prepare()
+    for cell in cells:
+        store.add(Record(run_id="r", workload=cell.workload, size=cell.size, mode=cell.mode,
+                         technique=cell.technique, gpu=cell.gpu, source=cell.source, status="ok",
+                         cell_id=cell.cell_id))
+    assert store.done() == set(ids)

@@ -344,7 +344,7 @@ def test_selective_checkpointing_keeps_matmul_and_attention_outputs():
 
 
 def test_selective_checkpointing_activations_sit_between_baseline_and_full():
-    settings = MeasureSettings(warmup=1, steps=1, repeats=1)
+    settings = MeasureSettings(warmup=1, steps=10, repeats=1)
     activations = {}
     for stack in ("baseline", "checkpointing", "selective-checkpointing"):
         cell = Cell("gpt", "smoke", "train", stack, "cpu", 4).resolve(load_profiles())

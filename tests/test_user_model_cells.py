@@ -22,7 +22,7 @@ def configs(tmp_path_factory):
 
 def test_hf_configs_and_a_factory_model_are_measured_with_projected_twins(configs, tmp_path):
     out = tmp_path / "run"
-    argv = ["run", "--hf-config", str(configs["llama"]), "--hf-config", str(configs["bert"]),
+    argv = ["run", "--gpu", "cpu", "--hf-config", str(configs["llama"]), "--hf-config", str(configs["bert"]),
             "--model", "tests.user_models:resnet18_small", "--technique", "baseline,checkpointing",
             "--mode", "train", "--out", str(out), "--no-report", "--cell-timeout", "300"]
     assert main(argv) == 0
@@ -60,3 +60,30 @@ def test_techniques_that_need_a_trait_the_model_lacks_say_which(configs, capsys)
     assert main(["project", "--model", "tests.user_models:resnet18_small", "--hf-config", str(configs["bert"]),
                  "--gpu", "t4"]) == 2
     assert "one of --workload, --model, --hf-config" in capsys.readouterr().err
+
+
+def test_a_model_whose_flops_cannot_be_counted_keeps_its_measurement_without_mfu(tmp_path):
+    from harness.cell import Cell
+    from harness.measure.local import MeasureSettings, measure
+    from harness.outcome import to_record
+    from harness.profiles import load_profiles
+
+    cell = Cell("model:tests.user_models:value_branching", "value_branching", "train", "baseline", "cpu",
+                4).resolve(load_profiles())
+    row = to_record(cell, measure(cell, MeasureSettings(warmup=1, steps=10, repeats=1)), "t")
+    assert row.status == "ok" and row.step_time_ms_p50 > 0
+    assert row.mfu is None and row.flops_per_step is None and "model FLOPs unknown" in row.notes
+    assert row.fits is None  # the host CPU has no memory size to fit in, as its projected twin says
+
+
+def test_seq_len_is_refused_where_the_model_keeps_its_examples_length(capsys):
+    assert main(["project", "--model", "tests.user_models:token_model", "--gpu", "h100-sxm", "--seq-len",
+                 "4096"]) == 2
+    assert "keeps its example's sequence length" in capsys.readouterr().err
+
+
+def test_dynamic_sparsity_is_offered_to_transformers_that_declare_no_roles(configs, capsys):
+    assert main(["project", "--hf-config", str(configs["bert"]), "--gpu", "h100-sxm", "--mode", "infer",
+                 "--technique", "dynamic-sparsity", "--format", "json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["status"] == "ok", row["reason"]

@@ -92,3 +92,20 @@ def uneven_example():
 
 def raises():
     raise RuntimeError("no GPU here\nsecond line")
+
+
+class ValueBranching(nn.Module):
+    """A forward that branches on a value: it runs, but fake tensors (FLOP counting) cannot follow it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h if h.mean() > 0 else -h)
+
+
+def value_branching():
+    example = {"x": torch.randn(4, 16), "labels": torch.randint(0, 4, (4,))}
+    return ValueBranching(), example, lambda m, b: F.cross_entropy(m(b["x"]), b["labels"])

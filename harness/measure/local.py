@@ -38,6 +38,13 @@ class MeasureSettings:
     seed: int = 0
     noise_threshold: float = DEFAULT_NOISE_THRESHOLD
 
+    def __post_init__(self) -> None:
+        # Percentiles and the spread need enough steps: p90 of fewer than 10 is one step's time.
+        if self.steps < 10:
+            raise ValueError(f"--steps must be at least 10 timed steps, got {self.steps}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {self.repeats} and {self.warmup}")
+
 
 class RestartWithEnvironment(Exception):
     """The stack sets environment variables this process did not start with.
@@ -98,9 +105,8 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         param_count=count_parameters(run.model), alloc_retries=reading.alloc_retries, allocator=reading.allocator)
     speed = SpeedFigures(
         step_time_ms_p50=timing.percentile_ms(0.5), step_time_ms_p90=timing.percentile_ms(0.9),
-        throughput_samples_s=timing.throughput(cell.batch_size), step_time_cv=timing.cv,
-        noisy=timing.cv > settings.noise_threshold if timing.cv is not None else None,
-        timed_steps=len(timing.step_s))
+        step_time_ms_mean=timing.mean_ms, throughput_samples_s=timing.throughput(cell.batch_size),
+        step_time_cv=timing.cv, noisy=timing.noisy(settings.noise_threshold), timed_steps=len(timing.step_s))
     return Outcome(
         status="ok", precision=run.precision, memory=memory, speed=speed, device_name=_device_name(device),
         driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,

@@ -65,7 +65,9 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
     speed = None
     # A cell that cannot run has no speed or cost, as a measured oom row has none.
     if step is not None and status == "ok":
-        speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, throughput_samples_s=cell.batch_size / step.step_s)
+        # One projected step time: median, mean and the throughput all come from it.
+        speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, step_time_ms_mean=step.step_s * 1e3,
+                             throughput_samples_s=cell.batch_size / step.step_s)
     train = cell.mode == "train"
     figures = MemoryFigures(
         peak_allocated=memory.peak_allocated, peak_reserved=memory.reserved.get("native"),

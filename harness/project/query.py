@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from harness.cell import MODES, Cell, ResolvedCell
+from harness.cell import Cell, ResolvedCell
 from harness.outcome import to_record
-from harness.profiles import unknown_name
+from harness.profiles import resolve_gpus
 from harness.project import project_outcome
 from harness.project.search import MAX_BATCH_LIMIT, batch_step, largest_model, max_batch, smallest_batch
 from harness.records import Record
-from suites.techniques import Unsupported, parse_stack
-from suites.workloads import get_workload
+from suites.techniques import Unsupported
 
 # The run id of rows `headroom project` prints (they are not part of a results folder).
 PROJECT_RUN_ID = "project"
@@ -24,10 +23,11 @@ PROJECT_RUN_ID = "project"
 
 @dataclass(frozen=True)
 class ProjectRequest:
-    """One `headroom project` question (None: the default)."""
+    """One `headroom project` question (None: the default). `gpu` is a profile id or a family name (every
+    variant of it, as `headroom run --gpu` takes it)."""
 
-    workload: str
     gpu: str
+    workload: str = "gpt"
     technique: str = "baseline"
     mode: str = "train"
     size: str | None = None
@@ -36,34 +36,42 @@ class ProjectRequest:
     seq_len: int | None = None
 
 
+def _resolve_all(request: ProjectRequest, profiles) -> list[ResolvedCell]:
+    """The request's cell on each GPU it names."""
+    return [_resolve(dataclasses.replace(request, gpu=profile.id), profiles)
+            for profile in resolve_gpus([request.gpu], profiles)]
+
+
 def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
-    """The request's cell, its size's default batch and sequence length unless it sets them."""
-    if request.gpu not in profiles:
-        raise ValueError(unknown_name("GPU profile id", request.gpu, sorted(profiles)))
-    if request.mode not in MODES:
-        raise ValueError(f"unknown mode {request.mode!r} (valid: {', '.join(MODES)})")
-    workload = get_workload(request.workload)
-    stack = parse_stack(request.technique)
-    spec = workload.size(request.size) if request.size else next(iter(workload.sizes_at("standard")))
-    if request.seq_len is not None:
-        if spec.seq_len is None:
-            raise ValueError(f"--seq-len applies to language models; {workload.name} takes images")
-        limit = workload.max_seq_len(spec)
-        if request.seq_len < 1 or (limit and request.seq_len > limit):
-            raise ValueError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {request.seq_len}")
-        spec = dataclasses.replace(spec, seq_len=request.seq_len)
+    """The request's cell on one profile id: its size (default: the workload's first standard one) at
+    the size's batch and sequence length unless the request sets them."""
     if request.batch_size is not None and request.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {request.batch_size}")
-    batch = spec.batch_size if request.batch_size is None else request.batch_size
-    cell = Cell(workload.name, spec.name, request.mode, stack.name, request.gpu, batch, source="projected")
-    return cell.resolve(profiles, spec=spec)
+    # Batch 1 until the size is known; the empty size resolves to the workload's default (Cell.resolve).
+    cell = Cell(request.workload, request.size or "", request.mode, request.technique, request.gpu,
+                request.batch_size or 1, source="projected").resolve(profiles)
+    spec = cell.spec
+    if request.seq_len is not None:
+        limit = cell.workload.max_seq_len(spec)
+        if spec.seq_len is None or limit is None:
+            raise ValueError(f"--seq-len applies to language models that declare their longest sequence; "
+                             f"{cell.workload.name} " + ("takes images" if spec.seq_len is None else
+                                                         "keeps its example's sequence length"))
+        if not 1 <= request.seq_len <= limit:
+            raise ValueError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {request.seq_len}")
+        spec = dataclasses.replace(spec, seq_len=request.seq_len)
+    return cell.with_spec(spec).with_batch(request.batch_size or spec.batch_size)
 
 
-def projected_row(request: ProjectRequest, profiles) -> Record:
-    """The projected row of the request's cell; with `max_batch`, at the largest batch that fits."""
-    cell = _resolve(request, profiles)
+def projected_rows(request: ProjectRequest, profiles) -> list[Record]:
+    """The projected row of the request's cell on each GPU it names; with `max_batch`, at the largest
+    batch that fits each."""
+    return [_projected_row(cell, request.max_batch) for cell in _resolve_all(request, profiles)]
+
+
+def _projected_row(cell: ResolvedCell, search_batch: bool) -> Record:
     notes = []
-    if request.max_batch:
+    if search_batch:
         profile = cell.profile
         if profile.vendor == "cpu" or profile.capacity_bytes is None:
             raise ValueError(f"--max-batch needs a profile with a memory size to fit in; {profile.id} has none "
@@ -83,16 +91,18 @@ def projected_row(request: ProjectRequest, profiles) -> Record:
     return record
 
 
-def largest_model_answer(request: ProjectRequest, profiles) -> dict:
-    """The largest size of the request's workload that fits its GPU at its smallest batch."""
+def largest_model_answers(request: ProjectRequest, profiles) -> list[dict]:
+    """The largest size of the request's workload that fits each GPU it names, at its smallest batch."""
     ignored = [flag for flag, value in (("--size", request.size), ("--batch-size", request.batch_size),
                                         ("--max-batch", request.max_batch or None), ("--seq-len", request.seq_len))
                if value is not None]
     if ignored:
         raise ValueError(f"--largest-model searches every size of {request.workload} at its smallest batch: "
                          f"drop {', '.join(ignored)}")
-    cell = _resolve(request, profiles)
-    answer = largest_model(cell)
-    return {"gpu": cell.profile.id, "workload": cell.workload.name, "technique": cell.stack.name,
-            "mode": cell.mode, "largest_size_that_fits": answer.size, "batch_size": answer.batch_size,
-            "reason": answer.reason}
+    answers = []
+    for cell in _resolve_all(request, profiles):
+        answer = largest_model(cell)
+        answers.append({"gpu": cell.profile.id, "workload": cell.workload.name, "technique": cell.stack.name,
+                        "mode": cell.mode, "largest_size_that_fits": answer.size, "batch_size": answer.batch_size,
+                        "reason": answer.reason})
+    return answers

@@ -449,9 +449,9 @@ class TopKInput(nn.Module):
 
 
 def _check_dynamic(profile, workload, mode) -> str | None:
-    if workload.traits.mlp is None:
+    if workload.traits.convolutional:
         return ("dynamic-sparsity keeps the top-k hidden units of a transformer MLP per token; "
-                f"{workload.name} has no MLP blocks")
+                f"{workload.name}'s blocks are convolutions, with no MLP")
     return None
 
 

@@ -146,6 +146,10 @@ class Workload:
             valid = ", ".join(self.sizes)
             raise ValueError(f"unknown size {name!r} for workload {self.name!r}; valid: {valid}") from None
 
+    def default_size(self) -> SizeSpec:
+        """The size a question about the workload means when it names none: its first standard one."""
+        return (self.sizes_at("standard") or list(self.sizes.values()))[0]
+
     def sizes_at(self, scale: str) -> list[SizeSpec]:
         """The sizes that belong to `scale` (a size of scale `any` belongs to all)."""
         return [s for s in self.sizes.values() if s.scale in (scale, ANY_SCALE)]

@@ -14,22 +14,25 @@ from torch import nn
 
 from suites.workloads.base import Batch, ConvRoles, SizeSpec, Traits, Workload
 
-# (width, blocks, stride) of the four stages; outputs are 4x the width (He et al. 2015, Table 1).
-STAGES = ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))
+# (width, stride) of the four stages and ResNet-50's blocks per stage; outputs are 4x the width (He et al.
+# 2015, Table 1). A size's config may take fewer blocks and a narrower 3x3 (`width_per_group`, torchvision's
+# knob: the bottleneck's inner width is width * width_per_group / 64).
+STAGES = ((64, 1), (128, 2), (256, 2), (512, 2))
+RESNET50_LAYERS = (3, 4, 6, 3)
 EXPANSION = 4
 
 SIZES = {
     "smoke": SizeSpec(
         name="smoke",
         scale="smoke",
-        config={"num_classes": 1000},
+        # One bottleneck per stage with a quarter-width 3x3, 10 classes: the same kinds of layers
+        # (stem, strided and projected shortcuts, BatchNorm) in seconds per cell on a CPU, where the full
+        # network's bf16 and fp16 steps took minutes each (no native half-precision convolutions there).
+        config={"num_classes": 10, "layers": (1, 1, 1, 1), "width_per_group": 16},
         # 8, so that 4 accumulation micro-batches still hold 2 samples: batch norm needs more than one
         # value per channel, and at 32 px the last stage's maps are 1x1.
         batch_size=8,
         image_size=32,
-        # The image size does not change the weights, so even the smoke size is the full network.
-        canonical_params=25_557_032,
-        canonical_source="torchvision docs, ResNet50_Weights.IMAGENET1K_V1 num_params",
     ),
     "resnet50": SizeSpec(
         name="resnet50",
@@ -44,7 +47,11 @@ SIZES = {
 
 
 def build(size: SizeSpec) -> nn.Module:
-    return torchvision.models.resnet50(weights=None, num_classes=size.config["num_classes"])
+    config = size.config
+    # torchvision.models.resnet50 is exactly ResNet(Bottleneck, [3, 4, 6, 3]); smaller sizes change the knobs.
+    return torchvision.models.resnet.ResNet(
+        torchvision.models.resnet.Bottleneck, list(config.get("layers", RESNET50_LAYERS)),
+        num_classes=config["num_classes"], width_per_group=config.get("width_per_group", 64))
 
 
 def make_batch(size: SizeSpec, batch_size: int, generator: torch.Generator) -> Batch:
@@ -85,13 +92,15 @@ def _flops(size: SizeSpec) -> tuple[int, int]:
     total = stem
     n = _out(n, 3, 2, 1)  # max-pool: no FLOPs counted, only the resolution changes
     c_in = 64
-    for width, blocks, stride in STAGES:
+    layers = size.config.get("layers", RESNET50_LAYERS)
+    for (width, stride), blocks in zip(STAGES, layers, strict=True):
+        inner = width * size.config.get("width_per_group", 64) // 64
         for i in range(blocks):
             s = stride if i == 0 else 1
             n_out = _out(n, 3, s, 1)
-            total += _conv(c_in, width, 1, n)  # reduce, at the input resolution
-            total += _conv(width, width, 3, n_out)  # the 3x3 carries the stride (v1.5)
-            total += _conv(width, width * EXPANSION, 1, n_out)  # expand
+            total += _conv(c_in, inner, 1, n)  # reduce, at the input resolution
+            total += _conv(inner, inner, 3, n_out)  # the 3x3 carries the stride (v1.5)
+            total += _conv(inner, width * EXPANSION, 1, n_out)  # expand
             if i == 0:  # the shortcut needs a 1x1 projection when channels or resolution change
                 total += _conv(c_in, width * EXPANSION, 1, _out(n, 1, s, 0))
             c_in, n = width * EXPANSION, n_out

@@ -92,7 +92,9 @@ def load_factory(name: str) -> Callable[[], Any]:
     # `headroom` runs as a console script, whose sys.path lacks the working directory that the cell's
     # `python -m` child has: add it (as uvicorn and gunicorn do) so both import the same modules.
     if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+        # First, as `python -m` puts it: an installed module of the same name (nvidia-ml-py ships a
+        # top-level `example`) must not hide the user's.
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
