@@ -13,6 +13,7 @@ from suites.recipes import RECIPES
 from suites.techniques import (
     accumulation,  # T6
     checkpointing,  # T5
+    dynamic_sparsity,  # T12
     groupquant,  # T9
     lowrank,  # T3
     precision,  # T1
@@ -34,6 +35,7 @@ FAMILIES = [
     quantization,
     groupquant,
     sparsity,
+    dynamic_sparsity,
 ]
 
 BASELINE = "baseline"
