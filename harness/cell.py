@@ -37,14 +37,16 @@ class Cell:
 
     @property
     def cell_id(self) -> str:
-        """A filesystem-safe, unique and stable name: the key for resuming. A long one (a user model's
-        path) is cut and ends in a hash of the whole, so it fits a file name (255 bytes, with the
-        store's temp-file prefix and suffix) and stays unique."""
+        """A filesystem-safe, unique and stable name: the key for resuming. One whose names needed
+        characters replaced, or that is long (a user model's path), ends in a hash of the whole, so it
+        stays unique and fits a file name (255 bytes, with the store's temp-file prefix and suffix)."""
         raw = f"{self.workload}__{self.size}__{self.mode}__{self.technique}__{self.gpu}__b{self.batch_size}"
         if self.source != "measured":
             raw += f"__{self.source}"
         safe = re.sub(r"[^A-Za-z0-9_.+-]", "_", raw)
-        if len(safe) > MAX_CELL_ID:
+        if safe != raw or len(safe) > MAX_CELL_ID:
+            # Characters replaced (a path in a user's workload name) could make two cells one file name:
+            # the hash of the name as given keeps them apart.
             safe = f"{safe[:MAX_CELL_ID - 17]}__{hashlib.sha256(raw.encode()).hexdigest()[:15]}"
         return safe
 

@@ -7,12 +7,14 @@ User errors (unknown names, bad files, unwritable folders) print one line and ex
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 EXIT_USAGE = 2
 EXIT_CELLS_FAILED = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
 class UsageError(Exception):
@@ -27,7 +29,57 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+    """A comma-separated list of names; empty is refused (it would silently mean "nothing" or "all")."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected one or more names, got nothing")
+    return parts
+
+
+# Batches and sequence lengths beyond this are refused: tensor sizes, the records' integer columns and
+# every allocator figure derived from them stay far from overflow, and no device holds such a batch.
+MAX_COUNT = 2**31 - 1
+# A cell may take a week, no more: a larger timeout overflows the OS's timers (and means "none").
+MAX_CELL_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _count(text: str) -> int:
+    """A positive integer no larger than MAX_COUNT."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_COUNT}, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite, positive number of seconds, at most a week."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value <= MAX_CELL_TIMEOUT_S:  # also false for nan
+        raise argparse.ArgumentTypeError(f"expected seconds above 0 and at most {MAX_CELL_TIMEOUT_S:g}, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """A number strictly between 0 and 1 (a coefficient of variation to flag noise at)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number strictly between 0 and 1, got {text}")
+    return value
+
+
+def _folder(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty one")
+    return Path(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,13 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gpu", type=_csv, default=None, help="profile ids or families (default: the local device)")
     run.add_argument("--scale", default=None, help="smoke|standard|large (default: smoke on CPU, standard on GPU)")
     run.add_argument("--mode", type=_csv, default=["train", "infer"], help="train, infer or both (default)")
-    run.add_argument("--batch-size", type=int, default=None, help="override every size's default batch")
-    run.add_argument("--out", type=Path, default=None, help="results folder (default: results/<run-id>)")
-    run.add_argument("--cell-timeout", type=float, default=None, metavar="S", help="seconds per cell (default 600)")
+    run.add_argument("--batch-size", type=_count, default=None, help="override every size's default batch")
+    run.add_argument("--out", type=_folder, default=None, help="results folder (default: results/<run-id>)")
+    run.add_argument("--cell-timeout", type=_seconds, default=None, metavar="S", help="seconds per cell (default 600)")
     run.add_argument("--warmup", type=int, default=2)
     run.add_argument("--steps", type=int, default=10, help="timed steps per repeat (at least 10)")
     run.add_argument("--repeats", type=int, default=3, help="timed loops per cell (their spread flags noise)")
-    run.add_argument("--noise-threshold", type=float, default=None, metavar="CV",
+    run.add_argument("--noise-threshold", type=_fraction, default=None, metavar="CV",
                      help="flag a cell noisy above this coefficient of variation across repeats, or with its "
                           "mean step more than twice this off its median (default 0.05)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in --out")
@@ -71,16 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     project.add_argument("--technique", default="baseline", metavar="STACK")
     project.add_argument("--mode", default="train", help="train or infer")
     batch = project.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=int, default=None)
+    batch.add_argument("--batch-size", type=_count, default=None)
     batch.add_argument("--max-batch", action="store_true", help="solve for the largest batch that fits")
-    project.add_argument("--seq-len", type=int, default=None, help="tokens per sample (language models)")
+    project.add_argument("--seq-len", type=_count, default=None, help="tokens per sample (language models)")
     project.add_argument("--largest-model", action="store_true",
                          help="instead: the largest size of --workload that fits --gpu at its smallest batch")
     project.add_argument("--format", choices=("table", "json"), default="table")
 
     report = sub.add_parser("report", help="merge results files into one HTML report")
     report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
-    report.add_argument("--out", type=Path, required=True, metavar="FILE.html")
+    report.add_argument("--out", type=_folder, required=True, metavar="FILE.html")
 
     sub.add_parser("profiles", help="list GPU profiles")
     sub.add_parser("techniques", help="list techniques")
@@ -122,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("headroom: interrupted; finished cells are saved (rerun with --resume)", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`headroom profiles | head`): end quietly, as a shell tool does, with
+        # stdout pointed at /dev/null so the interpreter's final flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 def _profiles(args):
@@ -214,7 +271,8 @@ def cmd_project(args) -> int:
                   f"{answer['largest_size_that_fits'] or 'none'}"
                   + (f" ({answer['reason']})" if answer["reason"] else ""))
         return 0
-    for index, record in enumerate(projected_rows(request, profiles)):
+    records = projected_rows(request, profiles)
+    for index, record in enumerate(records):
         row = record.to_dict()
         if args.format == "json":
             print(json.dumps(row))
@@ -223,7 +281,8 @@ def cmd_project(args) -> int:
         print("\n" * bool(index), end="")
         for key, value in row.items():
             print(f"{key:{width}}  {'-' if value in (None, '') else value}")
-    return 0
+    # A projection that failed is not an answer: the row says why, the exit code that it failed.
+    return EXIT_CELLS_FAILED if any(record.status == "error" for record in records) else 0
 
 
 def cmd_report(args) -> int:

@@ -24,6 +24,7 @@ PROFILES_ENV = "HEADROOM_PROFILES"
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")
 FEATURES = ("bf16", "tf32", "fp8", "sparse_2to4", "flash_attention")
 VENDORS = ("nvidia", "amd", "cpu")
+SAFE_ID = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
 class ProfileError(ValueError):
@@ -163,6 +164,12 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
             raise _fail(path, key, f"{expected}, got an empty string")
     if data["id"] != path.stem:
         raise _fail(path, "id", f"the file name's stem {path.stem!r}, got {data['id']!r}")
+    for key in ("id", "family"):
+        # Ids name result files and nox sessions: two that differ only in characters a file name cannot
+        # hold (`a b`, `a_b`) would share a results file.
+        if not SAFE_ID.fullmatch(data[key]):
+            raise _fail(path, key, f"lower-case letters, digits, '.', '_' and '-', starting with a letter or digit, "
+                                   f"got {data[key]!r}")
     if data["vendor"] not in VENDORS:
         raise _fail(path, "vendor", f"one of {', '.join(VENDORS)}, got {data['vendor']!r}")
     if not all(isinstance(m, str) and m for m in data["match"]):

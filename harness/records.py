@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import fcntl
 import json
 import os
 import secrets
@@ -28,6 +29,7 @@ SCHEMA_VERSION = 6
 # not to be trusted to a few percent (harness/measure/timing.py).
 DEFAULT_NOISE_THRESHOLD = 0.05
 STATUSES = ("ok", "oom", "unsupported", "error", "timeout")
+LOCK_NAME = ".headroom.lock"  # in a results folder: held by the run writing it
 SOURCES = ("measured", "projected")
 
 
@@ -285,12 +287,31 @@ class ResultsStore:
         frame under another id), and `resume` is refused where there is nothing to resume."""
         if resume and not self.cells_dir.is_dir():
             raise ValueError(f"--resume: {self.root} holds no earlier run (no cells/ folder)")
-        earlier = len(list(self.cells_dir.glob("*.json"))) if self.cells_dir.is_dir() else 0
+        self.prepare()
+        self._lock()  # before reading what is there: a run that started meanwhile holds it
+        earlier = len(list(self.cells_dir.glob("*.json")))
         if earlier and not resume:
             raise ValueError(f"{self.root} already holds a run ({earlier} cells): pass --resume to continue it, "
                              "or choose another --out")
-        self.prepare()
         return (self.recorded_run_id() if resume else None) or run_id
+
+    def _lock(self) -> None:
+        """Hold the folder for this process: a second run on it is refused in one line. The lock is the
+        kernel's (flock), so it goes with its holder, however that ends, and never needs cleaning up."""
+        handle = open(self.root / LOCK_NAME, "a+", encoding="utf-8")  # held open for the run
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ValueError(f"{self.root} is in use by another headroom run ({holder}): wait for it to end, "
+                             "or choose another --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        self._lock_handle = handle
 
     def recorded_run_id(self) -> str | None:
         """The run id of the rows already here (a resumed run keeps it, so its twins pair up), or None."""

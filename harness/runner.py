@@ -52,7 +52,10 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
             "profiles_dir": options.profiles_dir}))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                                          os.environ.get("PYTHONPATH")])))
-        command = [sys.executable, "-m", options.cell_entry, str(spec_path), str(result_path)]
+        # -P: the working folder is not put first on the import path, so a `resource.py` (or any module
+        # named like one the cell imports) lying there cannot run inside the cell. A user's model named
+        # by --model is imported from there on purpose (suites/workloads/user.py).
+        command = [sys.executable, "-P", "-m", options.cell_entry, str(spec_path), str(result_path)]
         started = time.perf_counter()
         # Own process group, so a timeout kills the cell and anything it started.
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -86,7 +86,7 @@ def test_report_merges_results(small_run, tmp_path, capsys):
     (["run", "--out", "/proc/headroom"], "not writable"),
     (["report", "README.md", "--out", "x.html"], "not a results file"),
     (["frobnicate"], "invalid choice"),
-    (["run", "--cell-timeout", "soon"], "invalid float value"),
+    (["run", "--cell-timeout", "soon"], "expected seconds, got 'soon'"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(argv, fragment, capsys):
     assert main(argv) == 2

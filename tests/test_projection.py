@@ -273,8 +273,8 @@ def test_max_batch_of_a_batchnorm_net_in_training_starts_at_two_samples(capsys, 
 @pytest.mark.parametrize("argv, message", [
     (["--largest-model", "--size", "smoke"], "drop --size"),
     (["--largest-model", "--seq-len", "128"], "drop --seq-len"),
-    (["--largest-model", "--batch-size", "0"], "drop --batch-size"),
-    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["--largest-model", "--batch-size", "2"], "drop --batch-size"),
+    (["--batch-size", "0"], "--batch-size: expected a positive integer up to 2147483647, got 0"),
     (["--gpu", "cpu", "--max-batch"], "--max-batch needs a profile with a memory size"),
 ])
 def test_project_refuses_flags_it_would_ignore_or_cannot_honour(argv, message, capsys):
