@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -236,6 +237,9 @@ def cmd_run(args) -> int:
                          if record.noisy else ""))
         console.print(f"[{index}/{total} {elapsed:5.0f}s] {cell.describe()}: {record.status}  {detail}")
 
+    # SIGTERM and SIGHUP end the run as Ctrl-C does: finished cells stay saved and --resume goes on.
+    for name in ("SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), _interrupt)
     records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume)
     frame = store.write_frame()
     if not args.no_report:
@@ -248,6 +252,10 @@ def cmd_run(args) -> int:
                   f"-> {out}/results.parquet, results.csv" + ("" if args.no_report else ", report.html"))
     failed = frame["status"].isin(["error", "timeout"]).sum()
     return EXIT_CELLS_FAILED if failed else 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_project(args) -> int:

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import secrets
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -258,6 +259,23 @@ def new_run_id() -> str:
     return datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
+def _cell_file_problem(path: Path) -> tuple[str, dict | None]:
+    """("", row) for a readable cell file, else (what is wrong with it, None)."""
+    try:
+        row = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"not a readable cell file ({type(exc).__name__})", None
+    if not isinstance(row, dict) or not {"cell_id", "status", "source", "schema_version"} <= set(row):
+        return "not a headroom cell file (no cell_id, status, source or schema_version)", None
+    if row["status"] not in STATUSES or row["source"] not in SOURCES:
+        return f"unknown status {row['status']!r} or source {row['source']!r}", None
+    if not isinstance(row["schema_version"], int) or row["schema_version"] > SCHEMA_VERSION:
+        return f"schema version {row['schema_version']!r}, newer than this headroom's {SCHEMA_VERSION}", None
+    if path.stem != row["cell_id"]:
+        return f"holds cell {row['cell_id']!r} under another name (a copy?)", None
+    return "", row
+
+
 class ResultsStore:
     """A results folder: `cells/<cell_id>.json` per finished cell, plus the frame built from them."""
 
@@ -277,8 +295,8 @@ class ResultsStore:
                              f"choose another with --out") from None
 
     def done(self) -> set[str]:
-        """Cell ids already recorded."""
-        return {p.stem for p in self.cells_dir.glob("*.json")}
+        """Cell ids already recorded (by readable cell files: a damaged one's cell runs again)."""
+        return {row["cell_id"] for row in self.rows()}
 
     def open(self, run_id: str, resume: bool = False) -> str:
         """Make the folder ready for the run `run_id` and return the id its rows go under: with `resume`,
@@ -323,7 +341,17 @@ class ResultsStore:
         atomic_write_text(self.cells_dir / f"{record.cell_id}.json", json.dumps(record.to_dict()))
 
     def rows(self) -> list[dict[str, Any]]:
-        return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(self.cells_dir.glob("*.json"))]
+        """The rows of the readable cell files. A truncated, empty or foreign file, one from a newer
+        headroom, or a copy under another name is skipped with a one-line warning naming it, so it
+        can neither stop the run nor count a cell twice."""
+        rows = []
+        for path in sorted(self.cells_dir.glob("*.json")):
+            problem, row = _cell_file_problem(path)
+            if problem:
+                print(f"headroom: warning: skipped {path}: {problem}", file=sys.stderr)
+            else:
+                rows.append(row)
+        return rows
 
     def write_frame(self) -> pd.DataFrame:
         """Rebuild results.parquet and results.csv from the cell files, each atomically."""

@@ -57,6 +57,7 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
         # by --model is imported from there on purpose (suites/workloads/user.py).
         command = [sys.executable, "-P", "-m", options.cell_entry, str(spec_path), str(result_path)]
         started = time.perf_counter()
+        oom_kills_before = oom_kills()
         # Own process group, so a timeout kills the cell and anything it started.
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    text=True, start_new_session=True, preexec_fn=_die_with_parent)
@@ -69,7 +70,7 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
                                            wall_time_s=time.perf_counter() - started), options.run_id)
         if result_path.exists():
             return Record(**json.loads(result_path.read_text(encoding="utf-8")))
-        status, reason = _crash_reason(process.returncode, stderr)
+        status, reason = _crash_reason(process.returncode, stderr, oom_kills_before)
         return to_record(cell, failure(status, reason, wall_time_s=time.perf_counter() - started), options.run_id)
 
 
@@ -83,15 +84,39 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _crash_reason(returncode: int, stderr: str) -> tuple[str, str]:
-    """Status and reason for a cell process that died without writing its row."""
+def _crash_reason(returncode: int, stderr: str, oom_kills_before: int | None = None) -> tuple[str, str]:
+    """Status and reason for a cell process that died without writing its row. A SIGKILL is `oom` only
+    where the kernel counted an OOM kill meanwhile (cgroup v2 `memory.events`): the same signal also
+    comes from a user, a supervisor or a time limit."""
     tail = [line for line in stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
     if returncode < 0:
-        name = signal.Signals(-returncode).name
-        # The kernel's OOM killer ends a process with SIGKILL and no message of its own.
-        status = "oom" if name == "SIGKILL" else "error"
-        return status, f"cell process killed by {name}; last stderr line: {tail[0][:300]}"
+        number = -returncode
+        try:
+            name = signal.Signals(number).name
+        except ValueError:  # real-time signals have no name in the enum
+            name = f"signal {number}"
+        if name == "SIGKILL":
+            after = oom_kills()
+            if oom_kills_before is not None and after is not None and after > oom_kills_before:
+                return "oom", ("cell process killed by the kernel's OOM killer (SIGKILL); "
+                               f"last stderr line: {tail[0][:300]}")
+            return "error", (f"cell process killed by SIGKILL, cause unknown (no OOM kill counted"
+                             f"{'' if after is not None else ': this machine does not report them'}); "
+                             f"last stderr line: {tail[0][:300]}")
+        return "error", f"cell process killed by {name}; last stderr line: {tail[0][:300]}"
     return "error", f"cell process exited with code {returncode} without a result; last stderr line: {tail[0][:300]}"
+
+
+def oom_kills(events: Path = Path("/sys/fs/cgroup/memory.events")) -> int | None:
+    """The kernel's count of OOM kills in this process's cgroup (cgroup v2), None where unreadable."""
+    try:
+        for line in events.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsStore, options: RunnerOptions,

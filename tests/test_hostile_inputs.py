@@ -92,3 +92,74 @@ def test_output_piped_into_head_ends_quietly(monkeypatch, capsys):
         monkeypatch.setattr(sys, "stdout", stdout)
         assert main(["profiles"]) == 141
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("returncode, before, after, status, phrase", [
+    (-36, None, None, "error", "killed by signal 36"),  # a real-time signal: no name in the enum
+    (-15, None, None, "error", "killed by SIGTERM"),
+    (-9, None, None, "error", "SIGKILL, cause unknown"),
+    (-9, 3, 3, "error", "SIGKILL, cause unknown (no OOM kill counted)"),
+    (-9, 3, 4, "oom", "the kernel's OOM killer"),
+])
+def test_a_signal_is_not_taken_for_the_cells_own_result(monkeypatch, returncode, before, after, status, phrase):
+    from harness import runner
+
+    monkeypatch.setattr(runner, "oom_kills", lambda: after)
+    assert runner._crash_reason(returncode, "last words\n", before)[0] == status
+    assert phrase in runner._crash_reason(returncode, "last words\n", before)[1]
+
+
+def test_oom_kills_are_read_from_the_cgroups_memory_events(tmp_path):
+    from harness.runner import oom_kills
+
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 2\noom 2\noom_kill 1\n")
+    assert oom_kills(events) == 1
+    assert oom_kills(tmp_path / "missing") is None
+
+
+def test_damaged_cell_files_are_skipped_with_one_line_naming_each(tmp_path, capsys):
+    import json
+
+    from harness.records import Record
+
+    store = ResultsStore(tmp_path)
+    store.prepare()
+    store.add(Record(run_id="r", workload="gpt", size="smoke", mode="train", technique="baseline", gpu="cpu",
+                     source="measured", status="ok", cell_id="good"))
+    good = (store.cells_dir / "good.json").read_text()
+    damaged = {"truncated": good[: len(good) // 2], "empty": "", "stray": json.dumps({"hello": 1}),
+               "future": good.replace('"cell_id": "good"', '"cell_id": "future"').replace(
+                   '"schema_version": 6', '"schema_version": 99'),
+               "copy": good, "bytes": "\udcff"}
+    for name, text in damaged.items():
+        (store.cells_dir / f"{name}.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    assert [row["cell_id"] for row in store.rows()] == ["good"]
+    assert store.done() == {"good"}
+    assert len(store.write_frame()) == 1
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    assert {line.split("skipped ")[1].split(":")[0].rsplit("/", 1)[1] for line in warnings} == {
+        f"{name}.json" for name in damaged}
+
+
+def test_sigterm_ends_a_run_like_ctrl_c_and_resume_finishes_it(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "harness.cli", "run", "--gpu", "cpu", "--workload", "gpt,bert", "--technique",
+            "baseline,checkpointing", "--mode", "train", "--repeats", "1", "--no-report", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    first = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600  # a margin, not a speed: the run is stopped after its first cell
+    while not list((out / "cells").glob("*.json")) and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.2)
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=600)
+    assert first.returncode in (0, 130), err  # 0 only if it had already finished
+    if first.returncode == 130:
+        assert err.strip().splitlines()[-1] == ("headroom: interrupted; finished cells are saved "
+                                                "(rerun with --resume)")
+    assert subprocess.run([*argv, "--resume"], env=env, capture_output=True, timeout=900).returncode == 0
+    assert len(ResultsStore(out).rows()) == 2 * 2 * 2  # 2 workloads x 2 stacks, measured + projected
