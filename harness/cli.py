@@ -55,12 +55,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
 def _seconds(text: str) -> float:
     """A finite, positive number of seconds, at most a week."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    value = _number(text, "seconds")
     if not 0 < value <= MAX_CELL_TIMEOUT_S:  # also false for nan
         raise argparse.ArgumentTypeError(f"expected seconds above 0 and at most {MAX_CELL_TIMEOUT_S:g}, got {text}")
     return value
@@ -68,10 +72,7 @@ def _seconds(text: str) -> float:
 
 def _fraction(text: str) -> float:
     """A number strictly between 0 and 1 (a coefficient of variation to flag noise at)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    value = _number(text, "a number between 0 and 1")
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"expected a number strictly between 0 and 1, got {text}")
     return value

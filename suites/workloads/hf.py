@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from suites.workloads.base import ANY_SCALE, Batch, MlpRoles, SizeSpec, Traits, Workload
-from suites.workloads.user import count_forward_flops, find_block_lists, uniform_blocks
+from suites.workloads.user import counted_flops, find_block_lists, uniform_blocks
 
 PREFIX = "hf:"
 # Architecture name suffix -> (head, Auto class). GPT-2 style names end in LMHeadModel.
@@ -132,7 +132,6 @@ def workload(name: str) -> Workload:
     seq_len = min(max_seq, DEFAULT_SEQ_LEN) if max_seq else DEFAULT_SEQ_LEN
     size_name = path.parent.name if path.name == "config.json" else path.stem
     sizes = {size_name: SizeSpec(size_name, ANY_SCALE, scalars, batch_size=DEFAULT_BATCH, seq_len=seq_len)}
-    flops: dict[tuple, float] = {}
 
     def batch(spec: SizeSpec, batch_size: int, generator: torch.Generator) -> Batch:
         if batch_size < 1:
@@ -154,17 +153,10 @@ def workload(name: str) -> Workload:
     def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
-    def forward_flops_per_sample(spec: SizeSpec) -> float:
-        key = (tuple(sorted(spec.config.items())), spec.seq_len)
-        if key not in flops:
-            flops[key] = count_forward_flops(lambda: build(spec), lambda: batch(spec, 1, torch.Generator()),
-                                             forward)
-        return flops[key]
-
-    def train_flops_per_sample(spec: SizeSpec) -> float:
-        # Backward computes each matmul's grad for both operands, 2x forward; every input needs a grad since
-        # the activations descend from the (trainable) token embedding.
-        return 3 * forward_flops_per_sample(spec)
+    # Every input needs a gradient (the activations descend from the trainable token embedding), so
+    # training is 3x forward, as counted_flops takes it.
+    forward_flops_per_sample, train_flops_per_sample = counted_flops(
+        build, batch, forward, key=lambda spec: (tuple(sorted(spec.config.items())), spec.seq_len))
 
     traits = Traits(uniform_blocks=uniform_blocks(blocks), depth_key=depth_key, max_seq_key=max_seq_key,
                     mlp=MlpRoles(up="up_proj", gate="gate_proj", down="down_proj") if swiglu else None)

@@ -172,6 +172,23 @@ def count_forward_flops(build: Callable[[], nn.Module], batch: Callable[[], Batc
     return float(counter.get_total_flops())
 
 
+def counted_flops(build: Callable[[SizeSpec], nn.Module], batch: Callable[[SizeSpec, int, torch.Generator], Batch],
+                  forward: Callable[[nn.Module, Batch], Any], key: Callable[[SizeSpec], tuple]):
+    """(forward, training) FLOPs-per-sample functions for a workload without an analytic count: one
+    sample's forward counted once per `key(size)`, and training taken as 3x forward (backward computes
+    each matmul's or conv's gradient for both operands, ~2x forward; a little less where the first
+    layer's input needs no gradient, e.g. images)."""
+    counted: dict[tuple, float] = {}
+
+    def forward_flops(spec: SizeSpec) -> float:
+        if key(spec) not in counted:
+            counted[key(spec)] = count_forward_flops(lambda: build(spec), lambda: batch(spec, 1, torch.Generator()),
+                                                     forward)
+        return counted[key(spec)]
+
+    return forward_flops, lambda spec: 3 * forward_flops(spec)
+
+
 def find_block_lists(model: nn.Module) -> list[nn.Module]:
     """The containers of the model's repeated blocks, found generically: among the nn.ModuleList /
     nn.Sequential containers whose children (two or more, with parameters) share one type, the type
@@ -230,7 +247,6 @@ def workload(name: str) -> Workload:
     sizes = {size_name: SizeSpec(size_name, ANY_SCALE, {}, batch_size=batch_size, seq_len=seq_len,
                                  image_size=image_size)}
     real_example: dict[str, torch.Tensor] = {}
-    flops: dict[tuple, float] = {}
 
     def build(spec: SizeSpec) -> nn.Module:
         return call_factory(name, factory).model
@@ -264,19 +280,12 @@ def workload(name: str) -> Workload:
                 out[key] = torch.zeros((batch_size, *shape), dtype=dtype)
         return out
 
-    def forward_flops_per_sample(spec: SizeSpec) -> float:
-        if probe.flops_per_sample is not None:
-            return float(probe.flops_per_sample)
-        key = (spec.seq_len, spec.image_size)
-        if key not in flops:
-            flops[key] = count_forward_flops(lambda: build(spec), lambda: batch(spec, 1, torch.Generator()),
-                                             forward)
-        return flops[key]
-
-    def train_flops_per_sample(spec: SizeSpec) -> float:
-        # Backward computes each matmul's or conv's grad for both operands, ~2x forward (a little less
-        # where the first layer's input needs no grad, e.g. images).
-        return 3 * forward_flops_per_sample(spec)
+    if probe.flops_per_sample is not None:  # the factory's own count; training 3x it, as counted_flops says
+        given = float(probe.flops_per_sample)
+        forward_flops_per_sample, train_flops_per_sample = (lambda spec: given), (lambda spec: 3 * given)
+    else:
+        forward_flops_per_sample, train_flops_per_sample = counted_flops(
+            build, batch, forward, key=lambda spec: (spec.seq_len, spec.image_size))
 
     return Workload(
         name=name, kind="vision" if image_size else "user", sizes=sizes, build=build, batch=batch,
