@@ -298,6 +298,12 @@ def cmd_report(args) -> int:
     from harness.records import read_results
     from reports.build import write_report
 
+    out = args.out.resolve()
+    for path in args.results:
+        given = path.resolve()
+        inputs = [given / "results.parquet", given / "results.csv", given / "cells"] if path.is_dir() else [given]
+        if any(out == item or item in out.parents for item in inputs):
+            raise UsageError(f"--out {args.out} would overwrite the results it reads ({path}); choose another file")
     frames = [read_results(path) for path in args.results]
     write_report(frames, args.out)
     print(f"wrote {args.out} from {sum(len(f) for f in frames)} rows")

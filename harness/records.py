@@ -316,7 +316,13 @@ class ResultsStore:
     def _lock(self) -> None:
         """Hold the folder for this process: a second run on it is refused in one line. The lock is the
         kernel's (flock), so it goes with its holder, however that ends, and never needs cleaning up."""
-        handle = open(self.root / LOCK_NAME, "a+", encoding="utf-8")  # held open for the run
+        path = self.root / LOCK_NAME
+        try:
+            # O_NOFOLLOW: a link planted under the lock's name must not make the run truncate its target.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, _umask_mode())
+        except OSError as exc:
+            raise ValueError(f"cannot lock {path} ({exc.strerror}); if it is a symbolic link, remove it") from None
+        handle = os.fdopen(fd, "r+", encoding="utf-8")  # held open for the run
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -330,12 +336,14 @@ class ResultsStore:
         handle.write(f"pid {os.getpid()}")
         handle.flush()
         self._lock_handle = handle
+        # Temp files of runs that were killed mid-write: nobody else writes here while the lock is held.
+        for stale in [*self.root.glob(".*.tmp"), *self.cells_dir.glob(".*.tmp")]:
+            stale.unlink(missing_ok=True)
 
     def recorded_run_id(self) -> str | None:
         """The run id of the rows already here (a resumed run keeps it, so its twins pair up), or None."""
-        for path in sorted(self.cells_dir.glob("*.json")):
-            return json.loads(path.read_text(encoding="utf-8")).get("run_id")
-        return None
+        rows = self.rows()
+        return rows[0]["run_id"] if rows else None
 
     def add(self, record: Record) -> None:
         atomic_write_text(self.cells_dir / f"{record.cell_id}.json", json.dumps(record.to_dict()))

@@ -163,3 +163,35 @@ def test_sigterm_ends_a_run_like_ctrl_c_and_resume_finishes_it(tmp_path):
                                                 "(rerun with --resume)")
     assert subprocess.run([*argv, "--resume"], env=env, capture_output=True, timeout=900).returncode == 0
     assert len(ResultsStore(out).rows()) == 2 * 2 * 2  # 2 workloads x 2 stacks, measured + projected
+
+
+def test_a_link_planted_as_the_lock_is_not_followed_and_stale_temp_files_go(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out"
+    (out / "cells").mkdir(parents=True)
+    (out / ".headroom.lock").symlink_to(victim)
+    with pytest.raises(ValueError, match="symbolic link"):
+        ResultsStore(out).open("r")
+    assert victim.read_text() == "keep me"
+    (out / ".headroom.lock").unlink()
+    # What a run killed mid-write leaves: temp files of the frame and of a cell file.
+    (out / ".results.parquet.abc123.tmp").write_text("half")
+    (out / "cells" / ".gpt__smoke.json.def456.tmp").write_text("half")
+    ResultsStore(out).open("r")
+    assert not list(out.glob(".*.tmp")) and not list((out / "cells").glob(".*.tmp"))
+
+
+def test_report_never_overwrites_its_own_input(tmp_path, capsys):
+    data = ROOT / "benchmarks" / "data" / "h200-2026-11-30.csv"
+    copy = tmp_path / "rows.csv"
+    copy.write_bytes(data.read_bytes())
+    assert main(["report", str(copy), "--out", str(copy)]) == 2
+    assert "would overwrite the results it reads" in capsys.readouterr().err
+    assert copy.read_bytes() == data.read_bytes()
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "results.csv").write_bytes(data.read_bytes())
+    assert main(["report", str(folder), "--out", str(folder / "results.csv")]) == 2  # a folder's files too
+    assert (folder / "results.csv").read_bytes() == data.read_bytes()
+    assert main(["report", str(copy), "--out", str(tmp_path / "report.html")]) == 0
