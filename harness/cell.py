@@ -110,9 +110,3 @@ class ResolvedCell:
     def with_spec(self, spec: SizeSpec) -> ResolvedCell:
         """The same cell with another size entry (another size, a traced depth, a chosen sequence length)."""
         return dataclasses.replace(self, cell=dataclasses.replace(self.cell, size=spec.name), spec=spec)
-
-    def with_stack(self, stack: Stack) -> ResolvedCell:
-        """The same cell under another stack (its support verdict re-asked)."""
-        cell = dataclasses.replace(self.cell, technique=stack.name)
-        return dataclasses.replace(self, cell=cell, stack=stack,
-                                   unsupported=stack.check(self.profile, self.workload, self.mode))

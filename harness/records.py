@@ -282,6 +282,7 @@ class ResultsStore:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.cells_dir = self.root / "cells"
+        self._warned: set[Path] = set()
 
     def prepare(self) -> None:
         """Create the folder or fail with one line if it cannot be written."""
@@ -356,7 +357,9 @@ class ResultsStore:
         for path in sorted(self.cells_dir.glob("*.json")):
             problem, row = _cell_file_problem(path)
             if problem:
-                print(f"headroom: warning: skipped {path}: {problem}", file=sys.stderr)
+                if path not in self._warned:  # the frame is rebuilt after every measured cell: say it once
+                    print(f"headroom: warning: skipped {path}: {problem}", file=sys.stderr)
+                    self._warned.add(path)
             else:
                 rows.append(row)
         return rows

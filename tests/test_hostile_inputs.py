@@ -138,6 +138,7 @@ def test_damaged_cell_files_are_skipped_with_one_line_naming_each(tmp_path, caps
     assert store.done() == {"good"}
     assert len(store.write_frame()) == 1
     warnings = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    assert len(warnings) == len(damaged)  # three reads, each file named once
     assert {line.split("skipped ")[1].split(":")[0].rsplit("/", 1)[1] for line in warnings} == {
         f"{name}.json" for name in damaged}
 
