@@ -1,114 +1,163 @@
-"""Projected speed against published measurements (reference/calibration.md), with the errors.
+"""Projected step time against every measured step time the project has: the ledger's twins (measured by
+headroom on real GPUs) and published single-GPU throughputs (benchmarks/data/published_speed.csv, from
+reference/calibration.md). Prints, per row, the error of the current constants and the *held-out*
+error (constants fitted without that cell), then the held-out error per workload and precision, the
+targets (median |error| <= 15%, worst <= 35%) and whether the projection ranks GPUs as measured.
 
-Each row projects a published single-GPU configuration as closely as the suite's workloads allow
-and prints projected vs published throughput and the relative error. The roofline's efficiency
-factors (harness/project/roofline.py) are judged by these errors; `--fit` searches a grid of
-factors for the set with the smallest mean absolute log error over these rows and prints it.
-Usage: python benchmarks/projection_calibration.py [--fit]
+Usage: python benchmarks/projection_calibration.py [--write]
+  --write: store the constants fitted on all rows in harness/project/speed_fit.toml, with provenance
+  and the held-out error, and refresh the ledger's projected step times with the held-out projections.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
-import math
 import warnings
-from typing import NamedTuple
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pandas as pd
+import tomli_w
 
 from harness.cell import Cell
+from harness.ledger import LEDGER_FILE, read_ledger, write_ledger
 from harness.profiles import load_profiles
 from harness.project import project
-from harness.project.roofline import EFFICIENCY, estimate
-from suites.techniques import parse_stack
+from harness.project.roofline import PHASES, op_arrays
+from harness.project.speed_constants import FIT_FILE, constants_for
+from harness.project.speed_fit import PARAMETERS, SpeedPoint, fit, held_out, projected_s, summary
 from suites.workloads import WORKLOADS
 
-
-class Published(NamedTuple):
-    label: str
-    workload: str
-    size: str
-    stack: str
-    gpu: str
-    batch: int
-    seq_len: int | None
-    value: float  # samples/s, or tokens/s when per_token
-    per_token: bool
-    source: str
-    tf32: bool = False  # the published run enabled TF32 matmuls
-    accumulation: bool = False  # many micro-batches per optimizer step: the optimizer's cost is amortised away
-    caveat: str = ""    # why the row cannot be compared like for like (kept out of the fit)
+PUBLISHED = Path(__file__).with_name("data") / "published_speed.csv"
+TARGET_MEDIAN, TARGET_WORST = 0.15, 0.35
 
 
-ROWS = [
-    Published("ResNet-50 TF32 b256", "resnet50", "resnet50", "baseline", "a100-sxm4-80gb", 256, None, 938, False,
-              "NVIDIA DeepLearningExamples RN50 v1.5, NGC 21.03", tf32=True),
-    Published("ResNet-50 AMP b256", "resnet50", "resnet50", "amp-fp16", "a100-sxm4-80gb", 256, None, 2470, False,
-              "NVIDIA DeepLearningExamples RN50 v1.5 (channels-last), NGC 21.03"),
-    Published("BERT-large FP16 s128", "bert", "bert-large", "amp-fp16", "a100-sxm4-80gb", 64, 128, 580, False,
-              "NVIDIA DeepLearningExamples BERT pretraining phase 1, NGC 21.11", accumulation=True),
-    Published("BERT-large TF32 s128", "bert", "bert-large", "baseline", "a100-sxm4-80gb", 64, 128, 317, False,
-              "NVIDIA DeepLearningExamples BERT pretraining phase 1, NGC 21.11", tf32=True,
-              accumulation=True),
-    Published("BERT-large FP16 s512", "bert", "bert-large", "amp-fp16", "a100-sxm4-80gb", 16, 512, 210, False,
-              "NVIDIA DeepLearningExamples BERT pretraining phase 2, NGC 21.11", accumulation=True),
-    Published("Llama-2 13B bf16 s4096", "gpt", "gpt-13b", "amp-bf16", "a100-sxm4-80gb", 1, 4096, 2162, True,
-              "torchtitan docs/performance.md (FSDP, per GPU, no checkpointing)",
-              caveat="FSDP over 64 GPUs shards the optimizer step 64 ways; one GPU pays all of it"),
-]
+def _point(label, group, workload, size, technique, gpu, batch, seq_len, mode, profiles, measured_s, source,
+           phases=PHASES) -> SpeedPoint:
+    spec = WORKLOADS[workload].sizes[size]
+    if seq_len and not pd.isna(seq_len) and spec.seq_len != int(seq_len):
+        spec = dataclasses.replace(spec, seq_len=int(seq_len))
+    cell = Cell(workload, size, mode, technique, gpu, int(batch), "projected").resolve(profiles, spec=spec)
+    projection = project(cell)
+    profile = cell.profile.per_device()
+    ops = op_arrays(projection.trace, profile, tf32_matmul=projection.trace.tf32, phases=phases)
+    return SpeedPoint(label=label, group=group, workload=workload, precision=projection.trace.precision, gpu=gpu,
+                      ops=ops, base=constants_for(profile), measured_s=measured_s, source=source)
 
 
-def projections(profiles):
-    out = []
-    for row in ROWS:
-        spec = WORKLOADS[row.workload].sizes[row.size]
-        if row.seq_len:
-            spec = dataclasses.replace(spec, seq_len=row.seq_len)
-        cell = Cell(row.workload, row.size, "train", parse_stack(row.stack).name, row.gpu, row.batch, "projected")
-        out.append((row, project(cell.resolve(profiles, spec=spec))))
-    return out
+def ledger_points(profiles) -> list[SpeedPoint]:
+    points = []
+    for row in read_ledger().to_dict("records"):
+        if str(row["step_time_noisy"]) == "True" or pd.isna(row["measured_step_ms"]):
+            continue
+        label = f"{row['workload']} {row['mode']} {row['technique']} b{row['batch_size']}"
+        group = f"{row['gpu']} {label} s{row['seq_len']}"
+        points.append(_point(label, group, row["workload"], row["size"], row["technique"], row["gpu"],
+                             row["batch_size"], row["seq_len"], row["mode"], profiles, row["measured_step_ms"] / 1e3,
+                             f"ledger: {row['device_name']}, torch {row['torch_version']}"))
+    return points
 
 
-def throughput(row: Published, trace, profile, efficiency) -> float:
-    # BERT pre-training accumulates over many micro-batches (global batch 65,536 / 32,768 in phases
-    # 1 / 2), so its optimizer step is a negligible share of the published throughput.
-    phases = ("forward", "backward") if row.accumulation else ("forward", "backward", "optimizer")
-    time = estimate(trace, profile, efficiency, tf32_matmul=row.tf32, phases=phases)
-    samples = row.batch / time.step_s
-    return samples * row.seq_len if row.per_token else samples
+def published_points(profiles) -> tuple[list[SpeedPoint], list[tuple[dict, SpeedPoint]]]:
+    """(rows comparable like for like, rows kept out of the fit with their caveat)."""
+    fitted, caveated = [], []
+    for row in pd.read_csv(PUBLISHED).to_dict("records"):
+        samples_s = row["value"] / row["seq_len"] if row["per_token"] else row["value"]
+        # Pre-training accumulates over many micro-batches, so its optimizer step is a negligible share.
+        phases = ("forward", "backward") if row["accumulation"] else PHASES
+        point = _point(row["label"], f"{row['gpu']} {row['label']}", row["workload"], row["size"], row["technique"],
+                       row["gpu"], row["batch_size"], row["seq_len"], "train", profiles,
+                       row["batch_size"] / samples_s, f"published: {row['source']}", phases)
+        (caveated.append((row, point)) if isinstance(row["caveat"], str) else fitted.append(point))
+    return fitted, caveated
+
+
+def current_values(point: SpeedPoint) -> dict[str, float]:
+    constants = point.base
+    return {name: getattr(constants.host if table == "host" else constants.gpu, name) for name, table, *_ in PARAMETERS}
+
+
+def ranking_check(results) -> list[str]:
+    """For each configuration measured on several GPUs, whether the projection orders them as measured."""
+    lines = []
+    by_config: dict[str, list] = {}
+    for result in results:
+        by_config.setdefault(result.point.label, []).append(result)
+    for label, group in by_config.items():
+        if len({r.point.gpu for r in group}) < 2:
+            continue
+        measured = [r.point.gpu for r in sorted(group, key=lambda r: r.point.measured_s)]
+        projected = [r.point.gpu for r in sorted(group, key=lambda r: r.projected_s)]
+        lines.append(f"{label}: measured {' < '.join(measured)}; projected {' < '.join(projected)}: "
+                     f"{'same' if measured == projected else 'DIFFERENT'}")
+    return lines or ["no configuration is measured on two GPUs yet: the GPU ranking cannot be checked"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true")
+    parser.add_argument("--write", action="store_true", help="store the fit and refresh the ledger")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     profiles = load_profiles()
-    projected = projections(profiles)
-    print(f"efficiency factors: {EFFICIENCY}")
-    print(f"{'configuration':26} {'GPU':16} {'published':>10} {'projected':>10} {'error':>8}")
-    errors = []
-    for row, projection in projected:
-        value = throughput(row, projection.trace, profiles[row.gpu], EFFICIENCY)
-        error = value / row.value - 1
-        if not row.caveat:
-            errors.append(error)
-        unit = "tok/s" if row.per_token else "samples/s"
-        note = f"  (not like for like: {row.caveat})" if row.caveat else ""
-        print(f"{row.label:26} {row.gpu:16} {row.value:10,.0f} {value:10,.0f} {error:+8.1%}  {unit}{note}")
-    print(f"like-for-like rows: mean |error| {sum(map(abs, errors)) / len(errors):.1%}, "
-          f"worst {max(errors, key=abs):+.1%}")
-    projected = [(r, p) for r, p in projected if not r.caveat]
-    if args.fit:
-        grid = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-        best = None
-        for matmul, attention, conv, memory in itertools.product(grid, grid, grid, grid):
-            factors = {"matmul": matmul, "attention": attention, "conv": conv, "memory": memory}
-            loss = sum(abs(math.log(throughput(r, p.trace, profiles[r.gpu], factors) / r.value))
-                       for r, p in projected) / len(projected)
-            if best is None or loss < best[0]:
-                best = (loss, factors)
-        print(f"best grid factors {best[1]}: mean |log error| {best[0]:.3f}")
+    ledger = ledger_points(profiles)
+    published, caveated = published_points(profiles)
+    points = ledger + published
+    start = current_values(points[0])
+    print(f"{len(ledger)} ledger twins + {len(published)} published rows; fitting {len(PARAMETERS)} constants")
+    fitted = fit(points, start)
+    results = held_out(points, start)
+    print(f"\n{'row':44} {'GPU':15} {'measured ms':>11} {'current':>8} {'held-out':>8}  source   "
+          "(error = projected / measured - 1; current: the constants in use; held-out: fitted without the row's cell)")
+    for result in results:
+        point = result.point
+        current = projected_s(point, current_values(point)) / point.measured_s - 1
+        print(f"{point.label:44} {point.gpu:15} {point.measured_s * 1e3:11.2f} {current:+8.1%} {result.error:+8.1%}"
+              f"  {point.source[:60]}")
+    for row, point in caveated:
+        error = projected_s(point, fitted) / point.measured_s - 1
+        print(f"{point.label:44} {point.gpu:15} {point.measured_s * 1e3:11.2f} {'':8} {error:+8.1%}"
+              f"  not in the fit: {row['caveat']}")
+    print("\nheld-out error by workload and precision:")
+    frame = pd.DataFrame([{"workload": r.point.workload, "precision": r.point.precision, "error": r.error}
+                          for r in results])
+    for (workload, precision), group in frame.groupby(["workload", "precision"]):
+        stats = summary(list(group["error"]))
+        print(f"  {workload:9} {precision:11} n={stats['n']:2}  median |err| {stats['median_abs']:6.1%}  "
+              f"worst {stats['worst_abs']:6.1%}  bias {stats['mean']:+6.1%}")
+    overall = summary([r.error for r in results])
+    verdict = "PASS" if overall["median_abs"] <= TARGET_MEDIAN and overall["worst_abs"] <= TARGET_WORST else "FAIL"
+    print(f"all held-out rows: n={overall['n']}, median |error| {overall['median_abs']:.1%} (target <= "
+          f"{TARGET_MEDIAN:.0%}), worst {overall['worst_abs']:.1%} (target <= {TARGET_WORST:.0%}): {verdict}")
+    print("ranking:", *ranking_check(results), sep="\n  ")
+    print("\nconstants fitted on all rows:", ", ".join(f"{k}={v:.3g}" for k, v in fitted.items()))
+    if args.write:
+        write(fitted, results, overall)
+
+
+def write(fitted: dict[str, float], results, overall) -> None:
+    host = {name: fitted[name] for name, table, *_ in PARAMETERS if table == "host"}
+    gpu = {k: v for k, v in fitted.items() if k not in host} | {"fitted": True}
+    sources = sorted({r.point.source for r in results})
+    document = {
+        "fit": {"date": datetime.now(UTC).date().isoformat(), "status": "fitted", "rows": len(results),
+                "held_out_median_abs_error": round(overall["median_abs"], 4),
+                "held_out_worst_abs_error": round(overall["worst_abs"], 4),
+                "held_out_bias": round(overall["mean"], 4),
+                "method": "least squares on log(projected / measured); held-out = leave one cell out",
+                "sources": sources},
+        "host": host, "gpu": {"nvidia": gpu}}
+    header = "# Written by benchmarks/projection_calibration.py --write: constants fitted on the rows named in [fit].\n"
+    FIT_FILE.write_text(header + tomli_w.dumps(document))
+    ledger = read_ledger()
+    held = {r.point.group: r.projected_s for r in results}
+    for index, row in ledger.iterrows():
+        key = f"{row['gpu']} {row['workload']} {row['mode']} {row['technique']} b{row['batch_size']} s{row['seq_len']}"
+        if key in held:
+            ledger.loc[index, "projected_step_ms"] = held[key] * 1e3
+            ledger.loc[index, "projected_by"] = f"held-out fit {document['fit']['date']}"
+    write_ledger(ledger, LEDGER_FILE)
+    print(f"wrote {FIT_FILE} and refreshed {LEDGER_FILE} ({len(held)} cells' held-out projections)")
 
 
 if __name__ == "__main__":

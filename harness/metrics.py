@@ -11,7 +11,7 @@ from __future__ import annotations
 # Precision label (a row's `precision`) or traced dtype name -> the profile's dense peak it runs at
 # (reference/gpu_specs.md: MFU is always against the dense peak of the precision actually used).
 PEAK_NAME = {
-    "fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8-mixed": "fp8", "int8": "int8",
+    "fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8-mixed": "fp8", "int8": "int8",
     "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
 }
 

@@ -52,6 +52,15 @@ class GpuProfile:
     l2_bytes: int | None = None
     devices_per_package: int = 1
     peak_flops: dict[str, float] = field(default_factory=dict)
+    # What real kernels reach (measured: the best GEMM of a shape sweep, a streaming copy), per dtype;
+    # empty where nobody measured it, and the speed model derates the datasheet by generation instead.
+    achievable_flops: dict[str, float] = field(default_factory=dict)
+    achievable_bandwidth_bytes_s: float | None = None
+    # The per-op host issue cost and GPU kernel floor measured by `headroom calibrate` (seconds); None
+    # where not calibrated, and the fitted constants apply.
+    issue_s: float | None = None
+    kernel_s: float | None = None
+    calibration: dict[str, str] = field(default_factory=dict)  # provenance of an applied overlay
     sparse_flops: dict[str, float] = field(default_factory=dict)
     features: dict[str, bool] = field(default_factory=dict)
     interconnect: dict[str, Any] = field(default_factory=dict)
@@ -69,6 +78,12 @@ class GpuProfile:
         """Dense peak FLOP/s for `dtype`, None where unknown (MFU is then empty, not wrong)."""
         return self.peak_flops.get(dtype)
 
+    @property
+    def generation(self) -> str:
+        """The architecture generation (`ampere`, `hopper`, `cdna3`...): the first word of
+        `architecture`, lower-cased; `unknown` where the profile has none."""
+        return self.architecture.split()[0].lower() if self.architecture else "unknown"
+
     def per_device(self) -> GpuProfile:
         """The share of the package one process runs on. A package of several devices (MI250X: two
         GCDs, each its own GPU to software) divides its memory, bandwidth, peaks, power, units and
@@ -84,7 +99,9 @@ class GpuProfile:
 
         return dataclasses.replace(
             self, devices_per_package=1, memory_bytes=share(self.memory_bytes, whole=True),
-            memory_bandwidth_bytes_s=share(self.memory_bandwidth_bytes_s), tdp_w=share(self.tdp_w),
+            memory_bandwidth_bytes_s=share(self.memory_bandwidth_bytes_s),
+            achievable_bandwidth_bytes_s=share(self.achievable_bandwidth_bytes_s),
+            achievable_flops={k: v / n for k, v in self.achievable_flops.items()}, tdp_w=share(self.tdp_w),
             sm_count=share(self.sm_count, whole=True), l2_bytes=share(self.l2_bytes, whole=True),
             peak_flops={k: v / n for k, v in self.peak_flops.items()},
             sparse_flops={k: v / n for k, v in self.sparse_flops.items()}, usd_per_hour=share(self.usd_per_hour))
@@ -122,6 +139,8 @@ _TOP_LEVEL: dict[str, tuple[tuple[type, ...], str]] = {
     "devices_per_package": ((int,), "a positive integer"),
     "peak_tflops": ((dict,), "a table of dtype = TFLOP/s"),
     "sparse_tflops": ((dict,), "a table of dtype = TFLOP/s"),
+    "achievable_tflops": ((dict,), "a table of dtype = measured best dense matmul TFLOP/s"),
+    "achievable_bandwidth_gb_s": ((int, float), "a positive number of GB/s (measured streaming copy)"),
     "features": ((dict,), "a table of feature = true/false"),
     "interconnect": ((dict,), "a table"),
     "price": ((dict,), "a table with usd_per_hour, date, source"),
@@ -133,7 +152,7 @@ _REQUIRED = ("id", "family", "name", "vendor", "match", "features")
 # Figures that must cite a source when present.
 _SOURCED = ("memory_gib", "visible_memory_mib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib",
             "compute_capability",
-            "peak_tflops", "sparse_tflops", "interconnect")
+            "peak_tflops", "sparse_tflops", "achievable_tflops", "achievable_bandwidth_gb_s", "interconnect")
 _INTERCONNECT = {"gpu_link": str, "gpu_link_gb_s": (int, float), "host_link": str, "host_link_gb_s": (int, float)}
 
 
@@ -178,12 +197,13 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
     if cc is not None and not _is_cc(cc):
         raise _fail(path, "compute_capability", f'"MAJOR.MINOR" such as "8.0", got {cc!r}')
     for key in ("memory_gib", "visible_memory_mib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib",
-                "devices_per_package"):
+                "devices_per_package", "achievable_bandwidth_gb_s"):
         if key in data:
             _positive(path, key, data[key], _TOP_LEVEL[key][1])
 
     peak = _flops_table(path, "peak_tflops", data.get("peak_tflops", {}))
     sparse = _flops_table(path, "sparse_tflops", data.get("sparse_tflops", {}))
+    achievable = _flops_table(path, "achievable_tflops", data.get("achievable_tflops", {}))
     features = data["features"]
     for name in FEATURES:
         if not isinstance(features.get(name), bool):
@@ -237,6 +257,8 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
         devices_per_package=data.get("devices_per_package", 1),
         peak_flops={k: v * 1e12 for k, v in peak.items()},
         sparse_flops={k: v * 1e12 for k, v in sparse.items()},
+        achievable_flops={k: v * 1e12 for k, v in achievable.items()},
+        achievable_bandwidth_bytes_s=scaled("achievable_bandwidth_gb_s", 1e9),
         features=dict(features), interconnect=dict(interconnect),
         usd_per_hour=price.get("usd_per_hour"), price_date=price.get("date"), price_source=price.get("source"),
         sources=dict(sources), unverified=tuple(fields),

@@ -27,6 +27,21 @@ def split_batch(batch: Batch, parts: int) -> list[Batch]:
     return [{key: chunks[key][i] for key in batch} for i in range(parts)]
 
 
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool):
+    """fp32 matmuls and cuDNN convolutions on TF32 tensor cores while inside, as NVIDIA's containers run
+    fp32 (PyTorch leaves matmuls in full fp32 by default); the previous settings come back after."""
+    if not enabled:
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
 class Step:
     """A callable step for one run on one device; holds the optimizer and the loss scaler."""
 
@@ -45,7 +60,8 @@ class Step:
         return torch.autocast(self.device.type, dtype=self.run.autocast_dtype)
 
     def __call__(self, batch: Batch, mark: Mark = None) -> torch.Tensor:
-        return self._train_step(batch, mark) if self.train else self._infer_step(batch, mark)
+        with tf32_matmuls(self.run.tf32):
+            return self._train_step(batch, mark) if self.train else self._infer_step(batch, mark)
 
     def _train_step(self, batch: Batch, mark: Mark) -> torch.Tensor:
         run, optimizer = self.run, self.optimizer

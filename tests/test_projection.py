@@ -144,8 +144,11 @@ def test_a_multi_device_package_is_projected_on_one_of_its_devices():
     projection = project(_cell("gpt", "smoke", "amp-fp16", batch=4, gpu="mi250x"))
     assert projection.memory.capacity == 65520 * MiB  # one GCD, not the package's 128 GiB
     whole_package = estimate(projection.trace, package)
-    assert projection.time.compute_s + projection.time.memory_s == pytest.approx(
-        2 * (whole_package.compute_s + whole_package.memory_s))
+    assert projection.time.step_s == pytest.approx(estimate(projection.trace, device).step_s)
+    # Half the bandwidth: memory-bound kernels take longer (compute-bound ones of this tiny model are
+    # saturation-bound, and half the units fill as soon as half the peak is reached).
+    assert projection.time.memory_s > 1.5 * whole_package.memory_s
+    assert projection.time.step_s > whole_package.step_s
 
 
 def test_gpt3_175b_training_does_not_fit_one_gpu_and_says_by_how_much():

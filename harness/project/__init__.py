@@ -2,8 +2,8 @@
 
 One step is traced on fake tensors (trace.py), deep models at two small depths and extrapolated
 (depth.py); memory is the trace replayed through a model of the CUDA caching allocator plus the
-CUDA context and library workspaces (memory.py, allocator.py); time a roofline over the traced ops
-(roofline.py); searches for the largest batch or model build on it (search.py). `project_outcome`
+CUDA context and library workspaces (memory.py, allocator.py); time a per-op roofline with the host's
+issue cost (roofline.py, constants in speed_constants.py); searches for the largest batch or model build on it (search.py). `project_outcome`
 returns the same `Outcome` a measurement does (harness/outcome.py).
 """
 
@@ -45,7 +45,11 @@ def project(cell: ResolvedCell) -> Projection:
     memory.notes[:0] = trace.notes
     if trace.untraced:
         memory.notes.append(f"no step time: the trace cannot see {', '.join(trace.untraced)}")
-    return Projection(memory, None if trace.untraced else estimate(trace, profile), trace)
+        return Projection(memory, None, trace)
+    time = estimate(trace, profile, tf32_matmul=trace.tf32)
+    if time is not None:
+        memory.notes.extend(time.notes)
+    return Projection(memory, time, trace)
 
 
 def project_outcome(cell: ResolvedCell) -> Outcome:

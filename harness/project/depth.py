@@ -6,7 +6,7 @@ projects in about a second. The workload names its depth key (Traits.depth_key).
 from __future__ import annotations
 
 from harness.cell import ResolvedCell
-from harness.project.trace import OpCost, StepTrace, traced
+from harness.project.trace import OpShape, StepTrace, traced
 
 # Models deeper than this are traced at TRACE_DEPTHS layers and extrapolated.
 EXTRAPOLATE_ABOVE = 4
@@ -36,10 +36,6 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
     def lin(x: float, y: float) -> float:
         return _extrapolate(x, y, low, high, depth)
 
-    def cost(key) -> OpCost:
-        x, y = a.costs.get(key, OpCost()), b.costs[key]
-        return OpCost(count=round(lin(x.count, y.count)), flops=lin(x.flops, y.flops), bytes=lin(x.bytes, y.bytes))
-
     # Each phase's peak is affine in the depth, the step's peak (their maximum) is not: the phase that
     # peaks can change between the traced depths and the real one (the optimizer step's share grows).
     phases = [p for p in b.phase_peaks if p in a.phase_peaks] or [None]
@@ -52,8 +48,35 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         params_bytes=round(lin(a.params_bytes, b.params_bytes)), grads_bytes=round(lin(a.grads_bytes, b.grads_bytes)),
         optimizer_bytes=round(lin(a.optimizer_bytes, b.optimizer_bytes)),
         activations_bytes=round(lin(a.activations_bytes, b.activations_bytes)), events=[],
-        costs={key: cost(key) for key in b.costs}, precision=b.precision,
+        ops=_extrapolated_ops(a.ops, b.ops, lin), precision=b.precision, tf32=b.tf32,
         notes=b.notes + [f"extrapolated from traces at {low} and {high} layers to {depth}"],
         untraced=b.untraced,
         param_count=round(lin(a.param_count, b.param_count)),
         phase_peaks={p: round(v) for p, v in peaks.items() if p})
+
+
+def _extrapolated_ops(a: dict[OpShape, int], b: dict[OpShape, int], lin) -> dict[OpShape, int]:
+    """Op counts at the target depth: an op of a layer keeps its shape and its count is affine in the
+    depth; ops whose shape grows with the depth (the optimizer's foreach ops over every parameter) are
+    extrapolated per (phase, class, dtype, issuer, alignment) as totals and kept as one op of the average shape."""
+    out: dict[OpShape, int] = {}
+    for shape in set(a) & set(b):
+        count = round(lin(a[shape], b[shape]))
+        if count > 0:
+            out[shape] = count
+    totals: dict[tuple[str, str, str, str, bool], list[list[float]]] = {}
+    for index, ops in enumerate((a, b)):
+        for shape, count in ops.items():
+            if shape in a and shape in b:
+                continue
+            kind = (shape.phase, shape.op_class, shape.dtype, shape.issuer, shape.aligned)
+            group = totals.setdefault(kind, [[0.0] * 4, [0.0] * 4])[index]
+            for position, value in enumerate((count, shape.flops * count, shape.bytes * count, shape.kernels * count)):
+                group[position] += value
+    for (phase, op_class, dtype, issuer, aligned), (x, y) in totals.items():
+        count, flops, moved, kernels = (max(0.0, lin(u, v)) for u, v in zip(x, y, strict=True))
+        if round(count) > 0:
+            shape = OpShape(phase, op_class, dtype, flops / count, moved / count, max(1, round(kernels / count)),
+                            issuer, aligned)
+            out[shape] = out.get(shape, 0) + round(count)
+    return out

@@ -1,82 +1,149 @@
-"""Step time from a roofline over the traced ops: each op class takes the longer of its FLOPs at the
-dense peak of its dtype and its bytes at the memory bandwidth, each scaled by an efficiency factor.
+"""Step time from a per-op roofline: every traced op is costed on its own shape, then the GPU's kernel
+time and the host's issue time of each step phase are combined.
 
-The factors say what fraction of the datasheet peak real kernels reach, and were chosen within
-physical bounds against the published A100 measurements of reference/calibration.md
-(`benchmarks/projection_calibration.py` prints the comparison; `--fit` searches a grid):
-- matmul 0.70: large cuBLAS GEMMs reach 70-80% of the dense tensor peak; BERT-large FP16/TF32 at
-  sequence 128 (580 / 317 sequences/s, NVIDIA DeepLearningExamples) project within +0.4% / +7%.
-- conv 0.30: cuDNN training convolutions reach far less; ResNet-50 AMP / TF32 at batch 256 (2,470 /
-  938 images/s) project at -6% / +26% with it (an unconstrained grid fit agrees: 0.3).
-- attention 0.60: FlashAttention-2 forward + backward reaches 50-70% of peak on A100 (its paper);
-  the grid prefers 0.9, which we do not take (it would only hide the -33% at sequence 512). That row
-  cannot agree with the s128 rows under any per-op model: published, s512 runs 1.45x the tokens/s of
-  s128 (210 x 512 vs 580 x 128) although each s512 token costs more FLOPs (attention grows with s);
-  with the same tokens per step (16 x 512 = 64 x 128) the trace differs only in attention.
-- memory 0.85: elementwise kernels stream at 80-90% of the bandwidth.
-Mean absolute error over the like-for-like rows on 2026-11-30 (CUDA autocast lists): 14.5%, worst -32.9%
-(BERT-large s512).
-
-Against measured twins on an H200 (benchmarks/data/h200-2026-11-30.csv, torch 2.11, the suite's
-standard batches: gpt2-124m b8, bert-base b32, resnet50 b32): fp32 GPT and BERT steps project within
--10% to +5%, but every amp-bf16 step projects 47-75% too fast and every ResNet step 34-81% too fast.
-Those steps are short (4-40 ms) and launch-bound: measured minus roofline time is 8-29 us per traced
-op, against the 5 us of OP_OVERHEAD_S. Not yet refitted: the next fit should use these rows.
+- Compute: an op's FLOPs at the *achievable* rate of its dtype (a profile's measured best GEMM, else the
+  datasheet derated by generation), times its class's efficiency (convolutions, fused attention), on a
+  saturation curve: a GEMM of f FLOPs runs at rate * f / (f + f_half), f_half growing with the SM
+  count (small GEMMs leave SMs idle), so it takes (f + f_half) / rate.
+- Memory: bytes read + written at the achievable bandwidth. An op takes the longer of the two, plus a
+  fixed cost per kernel it launches (launch, tail; a foreach op launches one per chunk of tensors). A
+  16-bit GEMM with a dimension off the tensor-core granule runs at a fraction of the rate.
+- Host: eager PyTorch spends microseconds per op (Python, dispatcher, autograd), by who issues it
+  (Python with autograd, autograd's C++ engine, inference mode), plus cuDNN's set-up per convolution. A phase (forward,
+  backward, optimizer) takes (K**p + I**p)**(1/p) for kernel time K and issue time I: the GPU runs ahead
+  of a slow host only while big kernels give it the time (p fitted; p = 1 on a CPU, which runs its ops
+  as it issues them).
+The constants are per vendor and generation (speed_constants.py), fitted and validated on held-out rows
+by `benchmarks/projection_calibration.py`. Vectorised with numpy: the fit evaluates the model often.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from harness.metrics import peak_flops
+import numpy as np
+
+from harness.metrics import peak_name
+from harness.project.speed_constants import SpeedConstants, constants_for
 from harness.project.trace import StepTrace
 
-# Fraction of the dense peak (compute) or of the bandwidth (memory) real kernels reach, by op class
-# (chosen as the module docstring explains).
-EFFICIENCY = {"matmul": 0.70, "attention": 0.60, "conv": 0.30, "memory": 0.85}
-# Eager PyTorch spends a few microseconds of CPU time per op (dispatch + launch); a step cannot be
-# faster than its ops can be issued. [M] order of magnitude from PyTorch's own overhead notes.
-OP_OVERHEAD_S = 5e-6
+PHASES = ("forward", "backward", "optimizer")
+ISSUERS = ("python", "engine", "inference")
+_CLASS_INDEX = {"matmul": 0, "conv": 1, "attention": 2, "memory": 3}
+# An unknown SM count (a profile without one) counts as a mid-sized GPU's.
+DEFAULT_SM_COUNT = 100
+
 
 @dataclass(frozen=True)
 class TimeEstimate:
-    """Projected seconds for one step, and the part of it bound by compute, memory and op overhead."""
+    """Projected seconds for one step, and where they go (kernel parts summed over the step's ops)."""
 
     step_s: float
-    compute_s: float
-    memory_s: float
-    overhead_s: float
+    compute_s: float  # compute-bound ops at their achievable rate (saturation included)
+    memory_s: float   # memory-bound ops at the achievable bandwidth
+    launch_s: float   # fixed per-kernel cost
+    issue_s: float    # the host's issue time (overlaps the three above)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def overhead_s(self) -> float:
+        """What the step takes beyond the GPU's busy time: the GPU waiting on the host."""
+        return max(0.0, self.step_s - self.compute_s - self.memory_s - self.launch_s)
 
 
-def estimate(trace: StepTrace, profile, efficiency: dict[str, float] | None = None,
-             tf32_matmul: bool = False, phases: tuple[str, ...] = ("forward", "backward", "optimizer"),
-             ) -> TimeEstimate | None:
-    """Roofline step time on `profile`; None when a needed peak or the bandwidth is unknown.
+@dataclass
+class OpArrays:
+    """The trace's ops as arrays, with what the profile fixes (peaks, bandwidth): the model's input."""
 
-    `tf32_matmul` models `torch.backends.cuda.matmul.allow_tf32 = True` (off by default in PyTorch);
-    `phases` selects parts of the step (e.g. leave out the optimizer when it is amortised)."""
-    efficiency = efficiency or EFFICIENCY
-    bandwidth = profile.memory_bandwidth_bytes_s
-    if not bandwidth:
-        return None
-    compute = memory = 0.0
-    ops = 0
-    for (phase, op_class, dtype), cost in trace.costs.items():
-        if phase not in phases:
+    count: np.ndarray
+    flops: np.ndarray
+    bytes: np.ndarray
+    kernels: np.ndarray
+    phase: np.ndarray       # index into PHASES
+    issuer: np.ndarray      # index into ISSUERS
+    aligned: np.ndarray     # bool: GEMM dimensions on the tensor-core granule
+    op_class: np.ndarray    # index into _CLASS_INDEX
+    achievable: np.ndarray  # measured achievable FLOP/s of the op's dtype, nan where unmeasured
+    datasheet: np.ndarray   # dense datasheet FLOP/s of the op's dtype, nan where unknown (0 for no FLOPs)
+    sm_count: int
+    bandwidth: float | None       # datasheet bytes/s
+    achievable_bandwidth: float | None
+    host_is_device: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tuple[str, ...] = PHASES) -> OpArrays:
+    """The trace's ops in `phases` on `profile` (`tf32_matmul`: fp32 matmuls on TF32 tensor cores)."""
+    rows = [(shape, count) for shape, count in trace.ops.items() if shape.phase in phases]
+    achievable, datasheet = [], []
+    for shape, _ in rows:
+        if not shape.flops:
+            achievable.append(np.nan)
+            datasheet.append(0.0)
             continue
-        ops += cost.count
-        memory_time = cost.bytes / (bandwidth * efficiency["memory"])
-        if cost.flops:
-            peak = peak_flops(profile, dtype, convolution=op_class == "conv", tf32_matmul=tf32_matmul)
-            if peak is None:
-                return None
-            compute_time = cost.flops / (peak * efficiency.get(op_class, efficiency["matmul"]))
-            # Summed per class: an op class is either compute- or memory-bound as a whole (its ops
-            # share shapes), which keeps the estimate cheap and stable.
-            if compute_time >= memory_time:
-                compute += compute_time
-                continue
-        memory += memory_time
-    overhead = ops * OP_OVERHEAD_S
-    return TimeEstimate(step_s=max(compute + memory, overhead), compute_s=compute, memory_s=memory,
-                        overhead_s=overhead)
+        name = peak_name(profile, shape.dtype, convolution=shape.op_class == "conv", tf32_matmul=tf32_matmul)
+        achievable.append(profile.achievable_flops.get(name, np.nan) if name else np.nan)
+        datasheet.append(profile.peak(name) or np.nan if name else np.nan)
+    notes = []
+    used = {peak_name(profile, s.dtype, s.op_class == "conv", tf32_matmul) for s, _ in rows if s.flops}
+    derated = sorted(n for n in used if n and n not in profile.achievable_flops)
+    if derated:
+        notes.append(f"no measured matmul rate for {', '.join(derated)} on {profile.id}: datasheet derated by generation")
+    if profile.achievable_bandwidth_bytes_s is None and profile.memory_bandwidth_bytes_s:
+        notes.append(f"no measured bandwidth on {profile.id}: datasheet derated")
+
+    def column(values, dtype=float) -> np.ndarray:
+        return np.array(values, dtype=dtype)
+
+    return OpArrays(
+        count=column([c for _, c in rows]), flops=column([s.flops for s, _ in rows]),
+        bytes=column([s.bytes for s, _ in rows]), kernels=column([s.kernels for s, _ in rows]),
+        phase=column([PHASES.index(s.phase) for s, _ in rows], int),
+        issuer=column([ISSUERS.index(s.issuer) for s, _ in rows], int), aligned=column([s.aligned for s, _ in rows], bool),
+        op_class=column([_CLASS_INDEX[s.op_class] for s, _ in rows], int),
+        achievable=column(achievable), datasheet=column(datasheet), sm_count=profile.sm_count or DEFAULT_SM_COUNT,
+        bandwidth=profile.memory_bandwidth_bytes_s, achievable_bandwidth=profile.achievable_bandwidth_bytes_s,
+        host_is_device=profile.vendor == "cpu", notes=notes)
+
+
+def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
+    """The model itself: step seconds of `ops` under `constants`; None when a peak or bandwidth is unknown."""
+    gpu, host = constants.gpu, constants.host
+    bandwidth = ops.achievable_bandwidth or (ops.bandwidth * gpu.bandwidth_efficiency if ops.bandwidth else None)
+    rate = np.where(np.isnan(ops.achievable), ops.datasheet * gpu.matmul_derating, ops.achievable)
+    has_flops = ops.flops > 0
+    if not bandwidth or np.isnan(rate[has_flops]).any():
+        return None
+    rate = rate * np.choose(ops.op_class, [1.0, gpu.conv_efficiency, gpu.attention_efficiency, 1.0])
+    rate = np.where(ops.aligned, rate, rate * gpu.unaligned_efficiency)
+    saturation = gpu.saturation_flops_per_sm * ops.sm_count
+    compute = np.where(has_flops, (ops.flops + saturation) / np.where(has_flops, rate, 1.0), 0.0)
+    memory = ops.bytes / bandwidth
+    launch = ops.kernels * gpu.kernel_s
+    kernel = (np.maximum(compute, memory) + launch) * ops.count
+    issue_per_op = (np.array([constants.issue_s[i] for i in ISSUERS])[ops.issuer]
+                    + np.where(ops.op_class == _CLASS_INDEX["conv"], host.issue_conv_s, 0.0)) * ops.count
+    p = 1.0 if ops.host_is_device else host.overlap
+    step = 0.0
+    for index in range(len(PHASES)):
+        in_phase = ops.phase == index
+        k, i = kernel[in_phase].sum(), issue_per_op[in_phase].sum()
+        if k or i:
+            step += (k**p + i**p) ** (1 / p)
+    compute_bound = compute >= memory
+    notes = list(ops.notes)
+    if not gpu.fitted:
+        notes.append(f"speed constants for {constants.key} not fitted on any measurement (priors)")
+    return TimeEstimate(
+        step_s=float(step), compute_s=float((compute * ops.count)[compute_bound].sum()),
+        memory_s=float((memory * ops.count)[~compute_bound].sum()), launch_s=float((launch * ops.count).sum()),
+        issue_s=float(issue_per_op.sum()), notes=tuple(notes))
+
+
+def estimate(trace: StepTrace, profile, constants: SpeedConstants | None = None, tf32_matmul: bool = False,
+             phases: tuple[str, ...] = PHASES) -> TimeEstimate | None:
+    """Step time of `trace` on `profile`; None when a needed peak or the bandwidth is unknown.
+
+    `tf32_matmul` models `torch.backends.cuda.matmul.allow_tf32 = True` (the `tf32` technique);
+    `phases` selects parts of the step (e.g. leave out the optimizer when it is amortised)."""
+    return step_time(op_arrays(trace, profile, tf32_matmul, phases), constants or constants_for(profile))

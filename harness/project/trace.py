@@ -7,7 +7,7 @@ seconds. A warm-up step creates the optimizer state; the second step is measured
 we extend to log every storage allocation and free in order, rounded as the target's allocator
 rounds (CUDA: 512 bytes), for the allocator model and the peak; autocast casts by the target's op
 lists (autocast_policy.py). A dispatch mode counts each op's FLOPs (`torch.utils.flop_counter`'s
-formulas) and bytes touched, for the roofline.
+formulas), bytes touched and kernels launched, op by op, for the speed model (speed_model.py).
 """
 
 from __future__ import annotations
@@ -48,6 +48,28 @@ class OpCost:
     bytes: float = 0.0
 
 
+@dataclass(frozen=True)
+class OpShape:
+    """One kind of op as the speed model costs it: its step phase, roofline class, dtype, FLOPs, bytes
+    read + written and the GPU kernels it launches (a foreach op launches one per chunk of tensors).
+    Ops of one shape (a layer's matmuls, repeated per layer) are kept once with a count.
+
+    `issuer` is who issues it on the host, which sets its dispatch cost: `python` (a forward op
+    recorded for autograd, a checkpoint's recomputation, the optimizer), `engine` (autograd's C++
+    backward) or `inference` (no autograd). `aligned`: a GEMM whose every dimension is a multiple of
+    the tensor cores' granule (8 elements of 16 bits, 16 of 8 bits); others run slower kernels
+    (NVIDIA's Matrix Multiplication Background guide; GPT-2's vocabulary of 50,257 is the known case)."""
+
+    phase: str
+    op_class: str
+    dtype: str
+    flops: float
+    bytes: float
+    kernels: int = 1
+    issuer: str = "python"
+    aligned: bool = True
+
+
 @dataclass
 class StepTrace:
     """What one traced step allocated and computed (bytes already rounded for the target)."""
@@ -61,10 +83,11 @@ class StepTrace:
     # ("alloc", id, bytes) / ("free", id, 0), in order, from the parameters through a warm-up step
     # and the traced step
     events: list[tuple[str, int, int]]
-    # (step phase, op class, dtype) -> cost; phases: forward, backward, optimizer
-    costs: dict[tuple[str, str, str], OpCost] = field(default_factory=dict)
+    # every traced op by its shape -> how many times it ran; phases: forward, backward, optimizer
+    ops: dict[OpShape, int] = field(default_factory=dict)
     baseline_bytes: int = 0  # live before the tracked step (params, optimizer state, batch)
     precision: str = "fp32"
+    tf32: bool = False  # fp32 matmuls on TF32 tensor cores (the `tf32` technique)
     notes: list[str] = field(default_factory=list)
     # library workspaces -> allocator setting -> peak reserved, filled by the allocator model
     reserved: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict)
@@ -79,8 +102,19 @@ class StepTrace:
     param_count: int = 0  # parameters of the model the stack built (as a measured row counts them)
 
     @property
+    def costs(self) -> dict[tuple[str, str, str], OpCost]:
+        """(phase, op class, dtype) -> the summed cost of its ops."""
+        out: dict[tuple[str, str, str], OpCost] = defaultdict(OpCost)
+        for shape, count in self.ops.items():
+            cost = out[(shape.phase, shape.op_class, shape.dtype)]
+            cost.count += count
+            cost.flops += shape.flops * count
+            cost.bytes += shape.bytes * count
+        return dict(out)
+
+    @property
     def flops(self) -> float:
-        return sum(c.flops for c in self.costs.values())
+        return sum(shape.flops * count for shape, count in self.ops.items())
 
 
 class _NoHook:
@@ -205,12 +239,43 @@ class _FirstMatmuls(TorchDispatchMode):
         return out
 
 
+# PyTorch's multi_tensor_apply (the foreach kernels of the optimizer step) launches a kernel when a
+# chunk list fills: at most 110..30 tensors (fewer with more lists per op; 64 is the middle) or 320
+# blocks of 65,536 elements (aten/src/ATen/native/cuda/MultiTensorApply.cuh).
+FOREACH_TENSORS_PER_KERNEL = 64
+FOREACH_ELEMENTS_PER_KERNEL = 320 * 65536
+
+
+def _issuer(phase: str) -> str:
+    # Autograd's engine runs backward functions with grad mode off; a checkpoint's recomputation runs
+    # forward code from Python with grad mode on, in the middle of the backward.
+    if torch.is_inference_mode_enabled():
+        return "inference"
+    return "engine" if phase == "backward" and not torch.is_grad_enabled() else "python"
+
+
+def _aligned(name: str, args, dtype: str) -> bool:
+    """Whether a matmul's operands have every dimension a multiple of the tensor-core granule."""
+    if op_class(name) != "matmul" or dtype not in ("bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"):
+        return True
+    granule = 16 if dtype in ("int8", "float8_e4m3fn", "float8_e5m2") else 8
+    dims = [d for t in args if isinstance(t, torch.Tensor) and t.dim() >= 2 for d in t.shape[-2:]]
+    return all(int(d) % granule == 0 for d in dims)
+
+
+def foreach_kernels(args) -> int:
+    """Kernels a foreach op launches on CUDA, from its first tensor list."""
+    tensors = next((a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)), [])
+    elements = sum(t.numel() for t in tensors)
+    return max(1, math.ceil(len(tensors) / FOREACH_TENSORS_PER_KERNEL), math.ceil(elements / FOREACH_ELEMENTS_PER_KERNEL))
+
+
 class _OpCostMode(TorchDispatchMode):
-    """Counts FLOPs (PyTorch's flop formulas) and bytes read + written per op, by class and dtype."""
+    """Counts FLOPs (PyTorch's flop formulas), bytes read + written and kernels of every op, by shape."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.costs: dict[tuple[str, str, str], OpCost] = defaultdict(OpCost)
+        self.ops: dict[OpShape, int] = defaultdict(int)
         self.phase = "forward"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -243,10 +308,10 @@ class _OpCostMode(TorchDispatchMode):
         elif "scaled_dot_product" in name and "for_cpu" in name:
             flops = _cpu_attention_flops(name, args)
         moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
-        cost = self.costs[(self.phase, op_class(name), dtype)]
-        cost.count += 1
-        cost.flops += flops
-        cost.bytes += moved
+        kernels = foreach_kernels(args) if name.startswith("aten._foreach_") else 1
+        shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
+                        _aligned(name, args, dtype))
+        self.ops[shape] += 1
         return out
 
 
@@ -341,7 +406,8 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         peak_bytes=tracker.peak, at_peak=tracker.at_peak, params_bytes=end.get("params", 0),
         grads_bytes=end.get("grads", 0) if run.mode == "train" else 0,
         optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
-        costs=dict(costs.costs), baseline_bytes=baseline, precision=run.precision, notes=notes + run.notes,
+        ops=dict(costs.ops), baseline_bytes=baseline, precision=run.precision, tf32=run.tf32,
+        notes=notes + run.notes,
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
         first_matmul_at=tuple(first_matmuls.at.values()),
         param_count=count_parameters(run.model),

@@ -57,6 +57,7 @@ class Run:
         batch_size: samples per optimizer step.
         micro_batches: the batch is split into this many forward/backward passes per step.
         autocast_dtype: dtype for torch.autocast, None for full precision.
+        tf32: fp32 matmuls and convolutions on TF32 tensor cores (`torch.backends.*.allow_tf32`).
         loss_scaling: dynamic loss scaling (GradScaler) for fp16.
         precision: label recorded in the row (`fp32`, `bf16-mixed`, ...).
         optimizer_factory: parameters -> optimizer (AdamW by default, as in nanoGPT and torchtitan).
@@ -72,6 +73,7 @@ class Run:
     batch_size: int
     micro_batches: int = 1
     autocast_dtype: torch.dtype | None = None
+    tf32: bool = False
     loss_scaling: bool = False
     precision: str = "fp32"
     optimizer_factory: Callable[[Any], torch.optim.Optimizer] = default_optimizer

@@ -6,6 +6,7 @@ underflow: GradScaler multiplies the loss by a dynamic factor and unscales befor
 tensor cores (compute capability 8.9+): torchao's float8 training swaps nn.Linear for Float8Linear, whose
 matmuls cast inputs and weights to e4m3 and gradients to e5m2 with dynamic per-tensor scales
 (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433); the rest runs in bf16.
+TF32 keeps fp32 storage but feeds matmuls to tensor cores with a 10-bit mantissa (NVIDIA A100 whitepaper).
 """
 
 from __future__ import annotations
@@ -98,6 +99,19 @@ def _apply_fp8(run: Run) -> None:
                      "without torch.compile the fp8 casts are separate kernels")
 
 
+def _check_tf32(profile, workload, mode):
+    if not profile.has("tf32"):
+        return f"{profile.name} has no TF32 tensor cores (NVIDIA Ampere and newer have them)"
+    return None
+
+
+def _apply_tf32(run: Run) -> None:
+    run.tf32 = True
+    if run.precision == "fp32":  # under autocast the row keeps its 16-bit label (only fp32 leftovers use TF32)
+        run.precision = "tf32"
+    run.notes.append("TF32 matmuls and convolutions (10-bit mantissa inputs, fp32 accumulation)")
+
+
 AMP_BF16 = Technique(
     id="amp-bf16", phase=Phase.STEP, changes_numerics=True, guide="T1",
     summary="bf16 autocast for matmuls/convs, fp32 master weights, no loss scaling",
@@ -115,4 +129,9 @@ FP8 = Technique(
     summary="fp8 matmuls for nn.Linear via torchao float8 training, bf16 autocast elsewhere",
     check=_check_fp8, apply=_apply_fp8, exclusive="precision")
 
-TECHNIQUES = (AMP_BF16, AMP_FP16, FP8)
+TF32 = Technique(
+    id="tf32", phase=Phase.STEP, changes_numerics=True, guide="T1",
+    summary="fp32 matmuls and convolutions on TF32 tensor cores (NVIDIA containers' default)",
+    check=_check_tf32, apply=_apply_tf32)
+
+TECHNIQUES = (AMP_BF16, AMP_FP16, FP8, TF32)

@@ -1,0 +1,160 @@
+"""The ledger: every projected-vs-measured pair (twin) the project has seen, and the error bars it gives.
+
+A versioned CSV ships with the package (`harness/data/ledger.csv`, seeded from the GPU check's twins);
+`headroom run` writes its own twins to `ledger.csv` in its results folder, and `headroom ledger add
+RESULTS...` merges pairs from any machine into a ledger, deduplicated by a hash of the pair and kept
+with its provenance (device, driver, torch, headroom version). A projected row's interval is the
+spread of measured / projected over the pairs of its kind (workload, precision, GPU generation),
+widening to broader kinds where a narrow one has too few pairs, and says what it rests on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from harness.records import atomic_write
+from harness.twins import twin_pairs
+
+LEDGER_FILE = Path(__file__).resolve().parent / "data" / "ledger.csv"
+LEDGER_VERSION = 1
+LEDGER_NAME = "ledger.csv"  # a results folder's own twins
+COLUMNS = ["ledger_version", "pair_id", "workload", "size", "mode", "technique", "gpu", "generation", "precision",
+           "batch_size", "seq_len", "image_size", "allocator", "measured_step_ms", "projected_step_ms",
+           "measured_peak_reserved_bytes", "projected_peak_reserved_bytes", "measured_peak_allocated_bytes",
+           "projected_peak_allocated_bytes", "step_time_noisy", "device_name", "driver_version", "torch_version",
+           "headroom_version", "measured_at", "projected_by", "origin"]
+# A kind needs this many pairs before its own spread is trusted; else the next broader kind is used.
+MIN_PAIRS = 3
+# With no pair at all, the interval spans this factor either side of the projection.
+NO_PAIRS_FACTOR = 3.0
+# Half-width of an interval in standard deviations of log(measured / projected) (~95% for a normal).
+SPREAD_SIGMAS = 2.0
+
+
+def pair_id(row: dict) -> str:
+    """A stable hash of what makes a pair the same pair wherever it is merged from."""
+    key = [row.get(c) for c in ("workload", "size", "mode", "technique", "gpu", "batch_size", "seq_len",
+                                "allocator", "device_name", "driver_version", "torch_version", "measured_step_ms",
+                                "measured_peak_reserved_bytes", "measured_at")]
+    return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
+
+
+def _value(value):
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA else value
+
+
+def pairs_from_rows(rows: list[dict], generations: dict[str, str], origin: str) -> pd.DataFrame:
+    """Ledger rows for the twins among results rows (`generations`: profile id -> generation)."""
+    out = []
+    for projected, measured in twin_pairs(rows):
+        row = {
+            "ledger_version": LEDGER_VERSION, "workload": measured["workload"], "size": measured["size"],
+            "mode": measured["mode"], "technique": measured["technique"], "gpu": measured["gpu"],
+            "generation": generations.get(measured["gpu"], "unknown"), "precision": measured.get("precision"),
+            "batch_size": measured["batch_size"], "seq_len": _value(measured.get("seq_len")),
+            "image_size": _value(measured.get("image_size")), "allocator": _value(measured.get("allocator")),
+            "measured_step_ms": _value(measured.get("step_time_ms_p50")),
+            "projected_step_ms": _value(projected.get("step_time_ms_p50")),
+            "measured_peak_reserved_bytes": _value(measured.get("peak_reserved_bytes")),
+            "projected_peak_reserved_bytes": _value(_reserved_for(projected, measured)),
+            "measured_peak_allocated_bytes": _value(measured.get("peak_allocated_bytes")),
+            "projected_peak_allocated_bytes": _value(projected.get("peak_allocated_bytes")),
+            "step_time_noisy": measured.get("noisy") is True or measured.get("noisy") == "True",
+            "device_name": measured.get("device_name"), "driver_version": _value(measured.get("driver_version")),
+            "torch_version": measured.get("torch_version"), "headroom_version": measured.get("git_sha"),
+            "measured_at": measured.get("created_at"), "projected_by": projected.get("git_sha"), "origin": origin}
+        row["pair_id"] = pair_id(row)
+        out.append(row)
+    return pd.DataFrame(out, columns=COLUMNS)
+
+
+def _reserved_for(projected: dict, measured: dict):
+    from harness.twins import projected_reserved
+
+    return projected_reserved(projected, measured)
+
+
+def read_ledger(path: Path = LEDGER_FILE) -> pd.DataFrame:
+    """A ledger file as a frame (empty with the columns where the file does not exist)."""
+    if not path.exists():
+        return pd.DataFrame(columns=COLUMNS)
+    frame = pd.read_csv(path)
+    missing = [c for c in COLUMNS if c not in frame]
+    if missing:
+        raise ValueError(f"{path}: not a headroom ledger (missing columns {', '.join(missing[:3])}); "
+                         "give a ledger.csv written by headroom")
+    newer = pd.to_numeric(frame["ledger_version"], errors="coerce").fillna(0) > LEDGER_VERSION
+    if newer.any():
+        raise ValueError(f"{path}: ledger version newer than this headroom's {LEDGER_VERSION}; upgrade headroom")
+    return frame[COLUMNS]
+
+
+def merge(ledger: pd.DataFrame, new: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """`ledger` with the pairs of `new` it does not hold yet, and how many were added."""
+    fresh = new[~new["pair_id"].isin(ledger["pair_id"])].drop_duplicates("pair_id")
+    if fresh.empty:
+        return ledger, 0
+    merged = fresh if ledger.empty else pd.concat([ledger, fresh], ignore_index=True)
+    return merged, len(fresh)
+
+
+def write_ledger(frame: pd.DataFrame, path: Path) -> None:
+    atomic_write(path, lambda tmp: frame[COLUMNS].to_csv(tmp, index=False))
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The range a projected figure's true value is expected in, and what it rests on."""
+
+    low: float
+    high: float
+    pairs: int
+    basis: str
+
+
+def workload_family(workload: str) -> str:
+    """`hf:/x/config.json` -> `hf`, `model:pkg:f` -> `model`; built-in names are their own family."""
+    return workload.split(":", 1)[0]
+
+
+def interval(projected: float, ledger: pd.DataFrame, measured_column: str, projected_column: str,
+             workload: str, precision: str | None, generation: str) -> Interval:
+    """The interval around `projected` from the ledger's errors for the closest kind with enough pairs."""
+    usable = ledger.dropna(subset=[measured_column, projected_column])
+    if measured_column == "measured_step_ms":
+        usable = usable[~usable["step_time_noisy"].astype(str).isin(["True", "true", "1"])]
+    usable = usable[(pd.to_numeric(usable[measured_column]) > 0) & (pd.to_numeric(usable[projected_column]) > 0)]
+    family = usable["workload"].map(workload_family)
+    kinds = [
+        (f"{workload_family(workload)} {precision} on {generation}",
+         (family == workload_family(workload)) & (usable["precision"] == precision) & (usable["generation"] == generation)),
+        (f"{workload_family(workload)} {precision}", (family == workload_family(workload)) & (usable["precision"] == precision)),
+        (f"{precision} on any workload", usable["precision"] == precision),
+        ("every pair", pd.Series(True, index=usable.index)),
+    ]
+    for name, chosen in kinds:
+        rows = usable[chosen]
+        if len(rows) >= MIN_PAIRS:
+            ratios = np.log(pd.to_numeric(rows[measured_column]).to_numpy(float)
+                            / pd.to_numeric(rows[projected_column]).to_numpy(float))
+            centre, spread = ratios.mean(), ratios.std(ddof=1)
+            low = min(ratios.min(), centre - SPREAD_SIGMAS * spread)
+            high = max(ratios.max(), centre + SPREAD_SIGMAS * spread)
+            return Interval(projected * math.exp(low), projected * math.exp(high), len(rows),
+                            f"{len(rows)} pairs ({name})")
+    return Interval(projected / NO_PAIRS_FACTOR, projected * NO_PAIRS_FACTOR, 0,
+                    f"no measured pairs: x1/{NO_PAIRS_FACTOR:g} to x{NO_PAIRS_FACTOR:g}")
+
+
+@cache
+def shipped_ledger() -> pd.DataFrame:
+    """The package's ledger, read once per process."""
+    return read_ledger(LEDGER_FILE)

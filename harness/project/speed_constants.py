@@ -1,0 +1,109 @@
+"""The speed model's constants: per GPU vendor and architecture generation, and for the host that issues
+the ops. `speed_constants.toml` holds the priors, each with its source; `speed_fit.toml` (written by
+`benchmarks/projection_calibration.py --fit --write`, with the data it was fitted on and its held-out
+error) overrides the constants it fitted.
+
+A generation's table inherits its vendor's and overrides what differs; a generation or vendor nobody
+fitted says so (`fitted` false), and projected rows carry that note. AMD parts are never costed with
+NVIDIA's fitted factors: the AMD table stands on its own.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields, replace
+from functools import cache
+from pathlib import Path
+
+CONSTANTS_FILE = Path(__file__).with_name("speed_constants.toml")
+FIT_FILE = Path(__file__).with_name("speed_fit.toml")
+
+
+@dataclass(frozen=True)
+class GpuConstants:
+    """How real kernels fall short of a GPU's datasheet (one set per vendor/generation)."""
+
+    kernel_s: float              # fixed cost of every kernel: launch to completion of the smallest one
+    saturation_flops_per_sm: float  # work per SM at which a GEMM/conv reaches half its achievable rate
+    conv_efficiency: float       # convolutions' rate relative to the achievable matmul rate
+    attention_efficiency: float  # fused attention's rate relative to the achievable matmul rate
+    unaligned_efficiency: float  # a 16/8-bit GEMM with a dimension off the tensor-core granule, relative
+    bandwidth_efficiency: float  # achievable / datasheet bandwidth where no measured figure exists
+    matmul_derating: float       # achievable / datasheet matmul rate where no measured figure exists
+    fitted: bool = False         # whether these came from a fit on measurements of this vendor
+
+
+@dataclass(frozen=True)
+class HostConstants:
+    """What eager PyTorch costs on the host per op, and how well that overlaps the GPU's work."""
+
+    issue_python_s: float     # Python + dispatcher + autograd recording, per op (forward, optimizer)
+    issue_engine_s: float     # autograd's C++ engine, per backward op
+    issue_inference_s: float  # Python + dispatcher under inference_mode (no autograd), per op
+    # Added per convolution: cuDNN's descriptor set-up and execution-plan lookup on every call
+    issue_conv_s: float
+    # The host issues while the GPU runs: a phase takes (K**p + I**p)**(1/p) for kernel time K and
+    # issue time I (p large: perfect overlap, the longer wins; p = 1: no overlap, they add).
+    overlap: float
+
+
+@dataclass(frozen=True)
+class SpeedConstants:
+    gpu: GpuConstants
+    host: HostConstants
+    key: str  # which table applied: "nvidia.hopper", "amd", ...
+
+    @property
+    def issue_s(self) -> dict[str, float]:
+        """Host seconds per op, by its issuer (trace.OpShape.issuer)."""
+        return {"python": self.host.issue_python_s, "engine": self.host.issue_engine_s,
+                "inference": self.host.issue_inference_s}
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+@cache
+def _tables(path: Path = CONSTANTS_FILE, fitted: Path = FIT_FILE) -> dict:
+    with open(path, "rb") as handle:
+        data = tomllib.load(handle)
+    if fitted.exists():
+        with open(fitted, "rb") as handle:
+            data = _merged(data, tomllib.load(handle))
+    return data
+
+
+def _gpu(table: dict) -> dict:
+    return {f.name: table[f.name] for f in fields(GpuConstants) if f.name in table}
+
+
+def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path = FIT_FILE) -> SpeedConstants:
+    """The constants for `profile`'s vendor and generation, with a calibrated profile's own measured
+    kernel floor and issue cost in place of the fitted ones."""
+    data = _tables(path, fitted)
+    vendor_table = data["gpu"].get(profile.vendor, data["gpu"]["default"])
+    values = _gpu(data["gpu"]["default"]) | _gpu(vendor_table)
+    key = profile.vendor if profile.vendor in data["gpu"] else "default"
+    generation = vendor_table.get(profile.generation) if isinstance(vendor_table.get(profile.generation), dict) else None
+    if generation:
+        values |= _gpu(generation)
+        key = f"{profile.vendor}.{profile.generation}"
+    gpu = GpuConstants(**values)
+    host = HostConstants(**data["host"])
+    if profile.kernel_s is not None:
+        gpu = replace(gpu, kernel_s=profile.kernel_s)
+    if profile.issue_s is not None:
+        # A calibration measures one figure, a Python-issued autograd op's; the fitted ratios place the others.
+        scale = profile.issue_s / host.issue_python_s
+        host = replace(host, issue_python_s=profile.issue_s, issue_engine_s=host.issue_engine_s * scale,
+                       issue_inference_s=host.issue_inference_s * scale)
+    return SpeedConstants(gpu=gpu, host=host, key=key)
+
+
+def fit_provenance() -> dict:
+    """What the constants were fitted on and their held-out error (the [fit] table)."""
+    return dict(_tables().get("fit", {}))
