@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 9 minutes: 3 x 90 s
-# of runs, 2 x 60 s under the other allocator settings, 70 s of fit check, 75 s of tests): measured
+# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 9.5 minutes: calibration
+# (about 2 min), 3 x 90 s of runs, 2 x 60 s under the other allocator settings, 70 s of fit check, 75 s of
+# tests; trim the runs' limits if the budget is tighter): calibration, measured
 # cells with their projected twins (peak, reserved and step-time errors), the projected largest batch
 # measured (it must run, 10% more must not), then the tests that skip without CUDA (2:4
 # semi-structured kernels, int4 tinygemm, fp8, autocast lists).
@@ -25,6 +26,11 @@ step "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/summary.txt"
 $PY -m harness.cli env 2>&1 | tee "$WORK/env.txt" | head -20
 
+# The device's achievable matmul rates, bandwidth and per-op costs, as a profile overlay (kept in the
+# tarball; copy it into a --profiles folder to project this GPU with it).
+step "calibrate"
+timeout -k 5 150 $PY -m harness.cli calibrate --out "$WORK/calibration" 2>&1 | tee -a "$OUT/summary.txt" | tail -3
+
 # One run per workload, each under its own limit: a run attaches the twins' errors when it ends, so a
 # limit that cuts one run short loses only that workload's errors.
 for workload in gpt bert resnet50; do
@@ -46,6 +52,9 @@ for conf in expandable_segments:True backend:cudaMallocAsync; do
   echo "exit $?" | tee -a "$OUT/summary.txt"
 done
 $PY benchmarks/twin_errors.py "$WORK"/bench-* 2>&1 | tee -a "$OUT/summary.txt"
+# The twins join a copy of the ledger (merge it here with `headroom ledger add` on the unpacked folders).
+cp harness/data/ledger.csv "$WORK/ledger.csv"
+$PY -m harness.cli ledger add "$WORK"/bench-* --ledger "$WORK/ledger.csv" 2>&1 | tee -a "$OUT/summary.txt"
 
 step "fit: the projected largest batch against the device"
 timeout -k 5 70 $PY benchmarks/fit_check.py > "$WORK/fit-check.txt" 2>&1

@@ -79,7 +79,8 @@ def current_values(point: SpeedPoint) -> dict[str, float]:
 
 
 def ranking_check(results) -> list[str]:
-    """For each configuration measured on several GPUs, whether the projection orders them as measured."""
+    """For each configuration measured on several GPUs, whether the projection orders them as measured
+    (faster first), and the speed ratio of the slowest to the fastest, measured and projected."""
     lines = []
     by_config: dict[str, list] = {}
     for result in results:
@@ -87,10 +88,15 @@ def ranking_check(results) -> list[str]:
     for label, group in by_config.items():
         if len({r.point.gpu for r in group}) < 2:
             continue
-        measured = [r.point.gpu for r in sorted(group, key=lambda r: r.point.measured_s)]
+        by_measured = sorted(group, key=lambda r: r.point.measured_s)
+        measured = [r.point.gpu for r in by_measured]
         projected = [r.point.gpu for r in sorted(group, key=lambda r: r.projected_s)]
-        lines.append(f"{label}: measured {' < '.join(measured)}; projected {' < '.join(projected)}: "
-                     f"{'same' if measured == projected else 'DIFFERENT'}")
+        fast, slow = by_measured[0], by_measured[-1]
+        order = "same order" if measured == projected else "DIFFERENT ORDER"
+        lines.append(f"{label}: measured {' faster than '.join(measured)}, projected "
+                     f"{' faster than '.join(projected)}: {order}; {fast.point.gpu} / {slow.point.gpu} speed-up "
+                     f"measured {slow.point.measured_s / fast.point.measured_s:.2f}x, projected "
+                     f"{slow.projected_s / fast.projected_s:.2f}x (held-out)")
     return lines or ["no configuration is measured on two GPUs yet: the GPU ranking cannot be checked"]
 
 

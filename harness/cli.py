@@ -136,6 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
     report.add_argument("--out", type=_folder, required=True, metavar="FILE.html")
 
+    ledger = sub.add_parser("ledger", help="the projected-vs-measured pairs that give projections their error bars")
+    ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True, parser_class=_Parser)
+    add = ledger_sub.add_parser("add", help="merge the twins of results folders/files (or ledger.csv files) into a "
+                                           "ledger, skipping pairs it holds")
+    add.add_argument("results", nargs="+", type=Path, help="results folders, results files or ledger.csv files")
+    add.add_argument("--ledger", type=_folder, default=None, metavar="FILE.csv",
+                     help="the ledger to merge into (default: the one shipped with headroom, which projections use)")
+    ledger_sub.add_parser("show", help="pairs per kind of cell and their step-time and reserved errors")
+
+    calibrate = sub.add_parser("calibrate", help="measure this device's achievable matmul rates, bandwidth and "
+                                                 "per-op costs into a profile overlay (--profiles DIR reads it)")
+    calibrate.add_argument("--out", type=_folder, default=Path("calibration"), metavar="DIR",
+                           help="folder for <profile>.overlay.toml (default: ./calibration)")
+    calibrate.add_argument("--quick", action="store_true", help="a small sweep (seconds; figures less exact)")
+
     sub.add_parser("profiles", help="list GPU profiles")
     sub.add_parser("techniques", help="list techniques")
     sub.add_parser("workloads", help="list workloads and sizes")
@@ -243,6 +258,7 @@ def cmd_run(args) -> int:
         signal.signal(getattr(signal, name), _interrupt)
     records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume)
     frame = store.write_frame()
+    _write_run_ledger(frame, profiles, out, console)
     if not args.no_report:
         from reports.build import write_report
 
@@ -253,6 +269,81 @@ def cmd_run(args) -> int:
                   f"-> {out}/results.parquet, results.csv" + ("" if args.no_report else ", report.html"))
     failed = frame["status"].isin(["error", "timeout"]).sum()
     return EXIT_CELLS_FAILED if failed else 0
+
+
+def cmd_calibrate(args) -> int:
+    import torch
+
+    from harness.calibrate import calibrate, write_overlay
+    from harness.profiles import detect_local
+
+    profile = detect_local(_profiles(args))
+    device = torch.device("cpu" if profile.vendor == "cpu" else "cuda")
+    started = time.perf_counter()
+    print(f"calibrating {profile.id} on {device} ({'quick' if args.quick else 'full'} sweep)", file=sys.stderr)
+    result = calibrate(profile, device, quick=args.quick, progress=lambda line: print("  " + line, file=sys.stderr))
+    path = write_overlay(result, args.out)
+    rates = ", ".join(f"{k} {v / 1e12:,.1f}" for k, v in result.achievable_flops.items())
+    print(f"{profile.id}: matmul TFLOP/s {rates}; copy {result.bandwidth_bytes_s / 1e9:,.1f} GB/s; "
+          f"issue {result.issue_s * 1e6:.1f} us/op" + (f"; kernel floor {result.kernel_s * 1e6:.2f} us"
+                                                      if result.kernel_s else ""))
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"-> {path} in {time.perf_counter() - started:.0f}s; projections use it with --profiles {args.out}")
+    return 0
+
+
+def _write_run_ledger(frame, profiles, out: Path, console) -> None:
+    """The run's twins as ledger pairs in its folder, ready for `headroom ledger add`."""
+    from harness.ledger import LEDGER_NAME, pairs_from_frame, write_ledger
+
+    pairs = pairs_from_frame(frame, profiles, origin=str(out))
+    if len(pairs):
+        write_ledger(pairs, out / LEDGER_NAME)
+        console.print(f"{len(pairs)} projected-vs-measured pairs -> {out / LEDGER_NAME} (to give projections of "
+                      f"cells like these their error bars: headroom ledger add {out})")
+
+
+def cmd_ledger(args) -> int:
+    from harness.ledger import LEDGER_FILE, merge, pairs_from, read_ledger, write_ledger
+
+    if args.ledger_command == "show":
+        return _show_ledger(read_ledger(LEDGER_FILE))
+    target = args.ledger or LEDGER_FILE
+    ledger = read_ledger(target)
+    profiles = _profiles(args)
+    incoming = [pairs_from(path, profiles) for path in args.results]
+    added = 0
+    for pairs in incoming:
+        ledger, count = merge(ledger, pairs)
+        added += count
+    offered = sum(len(p) for p in incoming)
+    if added:
+        write_ledger(ledger, target)
+    print(f"added {added} pairs ({offered - added} already in the ledger or repeated) -> {target} "
+          f"({len(ledger)} pairs)")
+    return 0
+
+
+def _show_ledger(ledger) -> int:
+    import pandas as pd
+
+    from harness.ledger import workload_family
+
+    if ledger.empty:
+        print("the ledger holds no pairs: every projected interval is the wide default")
+        return 0
+    frame = ledger.assign(family=ledger["workload"].map(workload_family),
+                          step=pd.to_numeric(ledger["projected_step_ms"])
+                          / pd.to_numeric(ledger["measured_step_ms"]) - 1,
+                          reserved=pd.to_numeric(ledger["projected_peak_reserved_bytes"])
+                          / pd.to_numeric(ledger["measured_peak_reserved_bytes"]) - 1)
+    print(f"{'workload':10} {'precision':11} {'generation':11} {'pairs':>5} {'step err median':>16} "
+          f"{'reserved err median':>20}   (projected / measured - 1)")
+    for (family, precision, generation), group in frame.groupby(["family", "precision", "generation"]):
+        print(f"{family:10} {precision:11} {generation:11} {len(group):5} {group['step'].median():+16.1%} "
+              f"{group['reserved'].median():+20.1%}")
+    return 0
 
 
 def _interrupt(signum, frame) -> None:
@@ -355,7 +446,9 @@ def cmd_env(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "project": cmd_project, "report": cmd_report, "profiles": cmd_profiles,
+COMMANDS = {"run": cmd_run, "project": cmd_project, "report": cmd_report, "ledger": cmd_ledger,
+            "calibrate": cmd_calibrate,
+            "profiles": cmd_profiles,
             "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env}
 
 if __name__ == "__main__":

@@ -76,6 +76,24 @@ def pairs_from_rows(rows: list[dict], generations: dict[str, str], origin: str) 
     return pd.DataFrame(out, columns=COLUMNS)
 
 
+def pairs_from_frame(frame: pd.DataFrame, profiles: dict, origin: str) -> pd.DataFrame:
+    """Ledger rows for the twins in a results frame (missing values as None, as cell files hold them)."""
+    rows = [{k: _value(v) for k, v in row.items()} for row in frame.astype(object).to_dict("records")]
+    return pairs_from_rows(rows, {k: p.generation for k, p in profiles.items()}, origin)
+
+
+def pairs_from(path: Path, profiles: dict) -> pd.DataFrame:
+    """The pairs a path holds: a ledger file as it is, a results folder or file through its twins."""
+    path = Path(path)
+    if path.is_dir() and (path / LEDGER_NAME).exists() and not (path / "results.parquet").exists():
+        path = path / LEDGER_NAME
+    if path.suffix == ".csv" and path.exists() and "pair_id" in pd.read_csv(path, nrows=0).columns:
+        return read_ledger(path)
+    from harness.records import read_results
+
+    return pairs_from_frame(read_results(path), profiles, origin=str(path))
+
+
 def _reserved_for(projected: dict, measured: dict):
     from harness.twins import projected_reserved
 
@@ -132,12 +150,13 @@ def interval(projected: float, ledger: pd.DataFrame, measured_column: str, proje
     if measured_column == "measured_step_ms":
         usable = usable[~usable["step_time_noisy"].astype(str).isin(["True", "true", "1"])]
     usable = usable[(pd.to_numeric(usable[measured_column]) > 0) & (pd.to_numeric(usable[projected_column]) > 0)]
-    family = usable["workload"].map(workload_family)
+    same_family = usable["workload"].map(workload_family) == workload_family(workload)
+    same_precision = usable["precision"] == precision
     kinds = [
         (f"{workload_family(workload)} {precision} on {generation}",
-         (family == workload_family(workload)) & (usable["precision"] == precision) & (usable["generation"] == generation)),
-        (f"{workload_family(workload)} {precision}", (family == workload_family(workload)) & (usable["precision"] == precision)),
-        (f"{precision} on any workload", usable["precision"] == precision),
+         same_family & same_precision & (usable["generation"] == generation)),
+        (f"{workload_family(workload)} {precision}", same_family & same_precision),
+        (f"{precision} on any workload", same_precision),
         ("every pair", pd.Series(True, index=usable.index)),
     ]
     for name, chosen in kinds:
@@ -146,8 +165,10 @@ def interval(projected: float, ledger: pd.DataFrame, measured_column: str, proje
             ratios = np.log(pd.to_numeric(rows[measured_column]).to_numpy(float)
                             / pd.to_numeric(rows[projected_column]).to_numpy(float))
             centre, spread = ratios.mean(), ratios.std(ddof=1)
-            low = min(ratios.min(), centre - SPREAD_SIGMAS * spread)
-            high = max(ratios.max(), centre + SPREAD_SIGMAS * spread)
+            # The projection itself stays inside: the pairs' errors say how far off it may be, not that
+            # it cannot be right.
+            low = min(0.0, ratios.min(), centre - SPREAD_SIGMAS * spread)
+            high = max(0.0, ratios.max(), centre + SPREAD_SIGMAS * spread)
             return Interval(projected * math.exp(low), projected * math.exp(high), len(rows),
                             f"{len(rows)} pairs ({name})")
     return Interval(projected / NO_PAIRS_FACTOR, projected * NO_PAIRS_FACTOR, 0,

@@ -43,6 +43,9 @@ class MemoryFigures:
     process_peak_rss: int | None = None  # measured only
     alloc_retries: int | None = None  # measured CUDA only
     allocator: str | None = None  # measured CUDA only: the setting the process ran under
+    peak_reserved_low: int | None = None  # projected only: the ledger's interval
+    peak_reserved_high: int | None = None
+    peak_reserved_pairs: int | None = None
 
 
 @dataclass
@@ -56,6 +59,9 @@ class SpeedFigures:
     step_time_cv: float | None = None
     noisy: bool | None = None
     timed_steps: int | None = None
+    step_time_ms_low: float | None = None  # projected only: the ledger's interval
+    step_time_ms_high: float | None = None
+    step_time_pairs: int | None = None
 
 
 @dataclass
@@ -81,6 +87,7 @@ class Outcome:
     driver_version: str | None = None
     wall_time_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    interval_basis: str | None = None  # projected only: what the intervals rest on
 
 
 def failure(status: str, reason: str, **values) -> Outcome:
@@ -120,7 +127,7 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
         torch_version=torch.__version__, cuda_version=torch.version.cuda if torch.cuda.is_available() else None,
         driver_version=outcome.driver_version, git_sha=git_sha(), hostname=socket.gethostname(),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"), wall_time_s=outcome.wall_time_s,
-        notes="; ".join(filter(None, notes)), **values)
+        interval_basis=outcome.interval_basis, notes="; ".join(filter(None, notes)), **values)
 
 
 def _memory_columns(memory: MemoryFigures) -> dict:
@@ -131,7 +138,8 @@ def _memory_columns(memory: MemoryFigures) -> dict:
         params_bytes=memory.params, grads_bytes=memory.grads, optimizer_bytes=memory.optimizer,
         activations_bytes=memory.activations, temporaries_bytes=memory.temporaries, param_count=memory.param_count,
         process_peak_rss_bytes=memory.process_peak_rss, alloc_retries=memory.alloc_retries,
-        allocator=memory.allocator)
+        allocator=memory.allocator, peak_reserved_low_bytes=memory.peak_reserved_low,
+        peak_reserved_high_bytes=memory.peak_reserved_high, peak_reserved_pairs=memory.peak_reserved_pairs)
 
 
 def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: float | None) -> dict:
@@ -145,6 +153,8 @@ def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: f
     return dict(step_time_ms_p50=speed.step_time_ms_p50, step_time_ms_p90=speed.step_time_ms_p90,
                 step_time_ms_mean=speed.step_time_ms_mean,
                 step_time_cv=speed.step_time_cv, noisy=speed.noisy, timed_steps=speed.timed_steps,
+                step_time_ms_low=speed.step_time_ms_low, step_time_ms_high=speed.step_time_ms_high,
+                step_time_pairs=speed.step_time_pairs,
                 throughput_samples_s=speed.throughput_samples_s, **derived)
 
 

@@ -313,17 +313,63 @@ def profile_dirs(extra: str | os.PathLike | None = None) -> list[Path]:
     return dirs
 
 
+OVERLAY_SUFFIX = ".overlay.toml"  # written by `headroom calibrate`: measured figures for an existing profile
+
+
 def load_profiles(extra: str | os.PathLike | None = None) -> dict[str, GpuProfile]:
-    """Every profile, keyed by id; a duplicate id across folders is an error naming both files."""
+    """Every profile, keyed by id, with the calibration overlays of the folders applied; a duplicate id
+    across folders is an error naming both files."""
     profiles: dict[str, GpuProfile] = {}
+    overlays: list[Path] = []
     for folder in profile_dirs(extra):
         for path in sorted(folder.glob("*.toml")):
+            if path.name.endswith(OVERLAY_SUFFIX):
+                overlays.append(path)
+                continue
             profile = load_profile(path)
             if profile.id in profiles:
                 raise ProfileError(f"{path}: field 'id': a unique id, but {profile.id!r} is also defined "
                                    f"in {profiles[profile.id].path}")
             profiles[profile.id] = profile
+    for path in overlays:
+        profile = apply_overlay(profiles, path)
+        profiles[profile.id] = profile
     return profiles
+
+
+def apply_overlay(profiles: dict[str, GpuProfile], path: Path) -> GpuProfile:
+    """The profile an overlay names, with its measured figures in place of derated datasheet ones."""
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{path}: not a readable overlay: {exc}") from None
+    target = data.get("profile")
+    if target not in profiles:
+        raise ProfileError(f"{path}: field 'profile': the id of a loaded profile, got {target!r}")
+    provenance, figures = data.get("calibration"), data.get("figures")
+    if not isinstance(provenance, dict) or not all(isinstance(provenance.get(k), str) for k in ("device", "date")):
+        raise _fail(path, "calibration", "a table with the device and date it was measured on")
+    if not isinstance(figures, dict):
+        raise _fail(path, "figures", "a table of measured figures")
+    unknown = set(figures) - {"achievable_tflops", "achievable_bandwidth_gb_s", "issue_us", "kernel_us"}
+    if unknown:
+        raise _fail(path, f"figures.{sorted(unknown)[0]}", "no such figure; valid: achievable_tflops, "
+                                                          "achievable_bandwidth_gb_s, issue_us, kernel_us")
+    rates = _flops_table(path, "figures.achievable_tflops", figures.get("achievable_tflops", {}))
+    for key in ("achievable_bandwidth_gb_s", "issue_us", "kernel_us"):
+        if key in figures:
+            _positive(path, f"figures.{key}", figures[key], "a positive number")
+    profile = profiles[target]
+    said = f"calibrated on {provenance['device']} ({provenance['date']}, {path.name})"
+    return dataclasses.replace(
+        profile, achievable_flops=profile.achievable_flops | {k: v * 1e12 for k, v in rates.items()},
+        achievable_bandwidth_bytes_s=figures["achievable_bandwidth_gb_s"] * 1e9
+        if "achievable_bandwidth_gb_s" in figures else profile.achievable_bandwidth_bytes_s,
+        issue_s=figures["issue_us"] / 1e6 if "issue_us" in figures else profile.issue_s,
+        kernel_s=figures["kernel_us"] / 1e6 if "kernel_us" in figures else profile.kernel_s,
+        calibration={k: str(v) for k, v in provenance.items()},
+        sources=profile.sources | {"achievable_tflops": said, "achievable_bandwidth_gb_s": said})
 
 
 def families(profiles: dict[str, GpuProfile]) -> dict[str, list[GpuProfile]]:

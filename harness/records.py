@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # A measured cell whose repeats' mean step times vary by more than this (coefficient of variation),
 # or whose mean step time is more than twice this off its median, is flagged `noisy`: its timings are
 # not to be trusted to a few percent (harness/measure/timing.py).
@@ -89,6 +89,15 @@ class Record:
     tokens_per_s: float | None = None
     flops_per_step: float | None = None
     mfu: float | None = None
+    # projected rows: the range the true value is expected in, from the ledger's errors for cells of
+    # this kind (harness/ledger.py), how many pairs it rests on, and which kind it used
+    step_time_ms_low: float | None = None
+    step_time_ms_high: float | None = None
+    step_time_pairs: int | None = None
+    peak_reserved_low_bytes: int | None = None
+    peak_reserved_high_bytes: int | None = None
+    peak_reserved_pairs: int | None = None
+    interval_basis: str | None = None
     # projection checked against its measured twin (same cell on the local device): projected / measured - 1
     peak_error_vs_measured: float | None = None
     step_time_error_vs_measured: float | None = None
@@ -207,8 +216,17 @@ def _v5_to_v6(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def _v6_to_v7(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 7 added the projected rows' intervals; rows written before had none (unknown, not zero)."""
+    for column in ("step_time_ms_low", "step_time_ms_high", "step_time_pairs", "peak_reserved_low_bytes",
+                   "peak_reserved_high_bytes", "peak_reserved_pairs", "interval_basis"):
+        frame[column] = None
+    frame["schema_version"] = 7
+    return frame
+
+
 # version -> function taking a frame of that version to the next one.
-MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6}
+MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6, 6: _v6_to_v7}
 
 
 def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:

@@ -23,10 +23,12 @@ TABLE_COLUMNS = [
     ("gpu", "GPU", fmt.text), ("source", "source", fmt.text), ("status", "status", fmt.text),
     ("batch_size", "batch", fmt.text), ("precision", "precision", fmt.text),
     ("peak_allocated_bytes", "peak allocated", fmt.bytes_), ("peak_reserved_bytes", "peak reserved", fmt.bytes_),
+    ("peak_reserved_range", "projected reserved range", fmt.text),
     ("params_bytes", "params", fmt.bytes_), ("grads_bytes", "grads", fmt.bytes_),
     ("optimizer_bytes", "optimizer", fmt.bytes_), ("activations_bytes", "activations", fmt.bytes_),
     ("temporaries_bytes", "temporaries at peak", fmt.bytes_),
     ("step_time_ms_p50", "step p50 (ms)", lambda v: fmt.number(v, 2)),
+    ("step_time_range", "projected step range (ms)", fmt.text),
     ("step_time_ms_p90", "step p90 (ms)", lambda v: fmt.number(v, 2)),
     ("step_time_ms_mean", "step mean (ms)", lambda v: fmt.number(v, 2)),
     ("step_time_cv", "CV", fmt.percent), ("noisy", "noisy", lambda v: fmt.flag(v, "NOISY")),
@@ -67,8 +69,27 @@ def projection_accuracy(frame: pd.DataFrame) -> list[dict]:
     return summary
 
 
+def _ranges(frame: pd.DataFrame) -> pd.DataFrame:
+    """Projected rows' intervals as text: `low - high (n pairs)`, from the ledger (harness/ledger.py)."""
+    def text(low, high, pairs, formatter):
+        if fmt.missing(low) or fmt.missing(high):
+            return None
+        return f"{formatter(low)} - {formatter(high)} ({0 if fmt.missing(pairs) else int(pairs)} pairs)"
+
+    def column(name):
+        return frame[name] if name in frame else pd.Series([None] * len(frame), index=frame.index)
+
+    return frame.assign(
+        step_time_range=[text(lo, hi, n, lambda v: fmt.number(v, 2)) for lo, hi, n in zip(
+            column("step_time_ms_low"), column("step_time_ms_high"), column("step_time_pairs"), strict=True)],
+        peak_reserved_range=[text(lo, hi, n, fmt.bytes_) for lo, hi, n in zip(
+            column("peak_reserved_low_bytes"), column("peak_reserved_high_bytes"), column("peak_reserved_pairs"),
+            strict=True)])
+
+
 def build_context(frame: pd.DataFrame) -> dict:
     """Everything the template shows, already formatted."""
+    frame = _ranges(frame)
     workloads = []
     for name, group in frame.groupby("workload", sort=False):
         group = group.sort_values(["size", "mode", "technique", "gpu", "source"], kind="stable")

@@ -11,13 +11,31 @@ from harness.cli import main
 from harness.records import SCHEMA_VERSION, read_results
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_FILES = sorted(path for pattern in ("*.csv", "*.parquet") for path in REPO.rglob(pattern)
-                    if not {".nox", ".git", "results"} & set(path.relative_to(REPO).parts))
+KEPT = sorted(path for pattern in ("*.csv", "*.parquet") for path in REPO.rglob(pattern)
+              if not {".nox", ".git", "results"} & set(path.relative_to(REPO).parts))
+# Results files (a schema_version column); the ledger and the published throughputs have tests of their own.
+DATA_FILES = [path for path in KEPT if path.suffix == ".parquet" or "schema_version" in path.read_text().split("\n")[0]]
 
 
 def test_the_kept_data_files_are_found():
     names = {path.relative_to(REPO).as_posix() for path in DATA_FILES}
     assert "benchmarks/data/h200-2026-11-30.csv" in names and "tests/fixtures/schema_v1/results.csv" in names
+    assert {"harness/data/ledger.csv", "benchmarks/data/published_speed.csv"} <= {
+        path.relative_to(REPO).as_posix() for path in KEPT} - names
+
+
+def test_every_published_throughput_names_a_cell_headroom_can_project():
+    import pandas as pd
+
+    from harness.cell import Cell
+    from harness.profiles import load_profiles
+
+    profiles = load_profiles()
+    published = pd.read_csv(REPO / "benchmarks/data/published_speed.csv")
+    assert len(published) >= 6 and published["source"].str.len().gt(10).all()
+    for row in published.to_dict("records"):
+        cell = Cell(row["workload"], row["size"], "train", row["technique"], row["gpu"], row["batch_size"], "projected")
+        assert not cell.resolve(profiles).unsupported
 
 
 @pytest.mark.parametrize("path", DATA_FILES, ids=lambda p: p.relative_to(REPO).as_posix())

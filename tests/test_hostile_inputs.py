@@ -13,7 +13,7 @@ import pytest
 from harness.cell import Cell
 from harness.cli import main
 from harness.profiles import ProfileError, load_profiles
-from harness.records import ResultsStore
+from harness.records import SCHEMA_VERSION, ResultsStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ def test_damaged_cell_files_are_skipped_with_one_line_naming_each(tmp_path, caps
     good = (store.cells_dir / "good.json").read_text()
     damaged = {"truncated": good[: len(good) // 2], "empty": "", "stray": json.dumps({"hello": 1}),
                "future": good.replace('"cell_id": "good"', '"cell_id": "future"').replace(
-                   '"schema_version": 6', '"schema_version": 99'),
+                   f'"schema_version": {SCHEMA_VERSION}', '"schema_version": 99'),
                "copy": good, "bytes": "\udcff"}
     for name, text in damaged.items():
         (store.cells_dir / f"{name}.json").write_bytes(text.encode("utf-8", "surrogateescape"))

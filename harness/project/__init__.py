@@ -3,7 +3,9 @@
 One step is traced on fake tensors (trace.py), deep models at two small depths and extrapolated
 (depth.py); memory is the trace replayed through a model of the CUDA caching allocator plus the
 CUDA context and library workspaces (memory.py, allocator.py); time a per-op roofline with the host's
-issue cost (roofline.py, constants in speed_constants.py); searches for the largest batch or model build on it (search.py). `project_outcome`
+issue cost (roofline.py, constants in speed_constants.py), each with an error bar from the ledger of
+projected-vs-measured pairs (harness/ledger.py); searches for the largest batch or model build on it
+(search.py). `project_outcome`
 returns the same `Outcome` a measurement does (harness/outcome.py).
 """
 
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from harness.cell import ResolvedCell
+from harness.ledger import interval, shipped_ledger
 from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
 from harness.project.depth import traced_to_depth
 from harness.project.memory import MemoryProjection, MiB, project_memory
@@ -68,10 +71,24 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
     status, reason = ("oom", _oom_reason(memory, cell.profile.id)) if memory.fits is False else ("ok", "")
     speed = None
     # A cell that cannot run has no speed or cost, as a measured oom row has none.
+    ledger = shipped_ledger()
+    kind = dict(ledger=ledger, workload=cell.workload.name, precision=projection.trace.precision,
+                generation=cell.profile.generation)
+    basis = []
     if step is not None and status == "ok":
         # One projected step time: median, mean and the throughput all come from it.
+        bar = interval(step.step_s * 1e3, measured_column="measured_step_ms", projected_column="projected_step_ms",
+                       **kind)
+        basis.append(f"step time: {bar.basis}")
         speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, step_time_ms_mean=step.step_s * 1e3,
-                             throughput_samples_s=cell.batch_size / step.step_s)
+                             throughput_samples_s=cell.batch_size / step.step_s, step_time_ms_low=bar.low,
+                             step_time_ms_high=bar.high, step_time_pairs=bar.pairs)
+    reserved = memory.reserved.get("native")
+    reserved_bar = None
+    if reserved:
+        reserved_bar = interval(reserved, measured_column="measured_peak_reserved_bytes",
+                                projected_column="projected_peak_reserved_bytes", **kind)
+        basis.append(f"peak reserved: {reserved_bar.basis}")
     train = cell.mode == "train"
     figures = MemoryFigures(
         peak_allocated=memory.peak_allocated, peak_reserved=memory.reserved.get("native"),
@@ -79,10 +96,13 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         reserved_async=memory.reserved.get("cudaMallocAsync"), device_overhead=memory.overhead,
         library_workspaces=memory.workspaces, params=memory.params, grads=memory.grads if train else None,
         optimizer=memory.optimizer if train else None, activations=memory.activations,
-        temporaries=memory.temporaries, param_count=projection.trace.param_count)
+        temporaries=memory.temporaries, param_count=projection.trace.param_count,
+        peak_reserved_low=round(reserved_bar.low) if reserved_bar else None,
+        peak_reserved_high=round(reserved_bar.high) if reserved_bar else None,
+        peak_reserved_pairs=reserved_bar.pairs if reserved_bar else None)
     return Outcome(status=status, reason=reason, precision=projection.trace.precision, memory=figures, speed=speed,
                    fits=memory.fits, device_name=cell.profile.name, wall_time_s=time.perf_counter() - started,
-                   notes=memory.notes)
+                   notes=memory.notes, interval_basis="; ".join(basis) or None)
 
 
 def _oom_reason(memory: MemoryProjection, gpu: str) -> str:

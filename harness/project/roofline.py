@@ -88,7 +88,8 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
     used = {peak_name(profile, s.dtype, s.op_class == "conv", tf32_matmul) for s, _ in rows if s.flops}
     derated = sorted(n for n in used if n and n not in profile.achievable_flops)
     if derated:
-        notes.append(f"no measured matmul rate for {', '.join(derated)} on {profile.id}: datasheet derated by generation")
+        notes.append(f"no measured matmul rate for {', '.join(derated)} on {profile.id}: "
+                     "datasheet derated by generation")
     if profile.achievable_bandwidth_bytes_s is None and profile.memory_bandwidth_bytes_s:
         notes.append(f"no measured bandwidth on {profile.id}: datasheet derated")
 
@@ -99,7 +100,8 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
         count=column([c for _, c in rows]), flops=column([s.flops for s, _ in rows]),
         bytes=column([s.bytes for s, _ in rows]), kernels=column([s.kernels for s, _ in rows]),
         phase=column([PHASES.index(s.phase) for s, _ in rows], int),
-        issuer=column([ISSUERS.index(s.issuer) for s, _ in rows], int), aligned=column([s.aligned for s, _ in rows], bool),
+        issuer=column([ISSUERS.index(s.issuer) for s, _ in rows], int),
+        aligned=column([s.aligned for s, _ in rows], bool),
         op_class=column([_CLASS_INDEX[s.op_class] for s, _ in rows], int),
         achievable=column(achievable), datasheet=column(datasheet), sm_count=profile.sm_count or DEFAULT_SM_COUNT,
         bandwidth=profile.memory_bandwidth_bytes_s, achievable_bandwidth=profile.achievable_bandwidth_bytes_s,

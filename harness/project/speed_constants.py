@@ -88,8 +88,8 @@ def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path = FIT_FILE)
     vendor_table = data["gpu"].get(profile.vendor, data["gpu"]["default"])
     values = _gpu(data["gpu"]["default"]) | _gpu(vendor_table)
     key = profile.vendor if profile.vendor in data["gpu"] else "default"
-    generation = vendor_table.get(profile.generation) if isinstance(vendor_table.get(profile.generation), dict) else None
-    if generation:
+    generation = vendor_table.get(profile.generation)
+    if isinstance(generation, dict):
         values |= _gpu(generation)
         key = f"{profile.vendor}.{profile.generation}"
     gpu = GpuConstants(**values)

@@ -267,7 +267,8 @@ def foreach_kernels(args) -> int:
     """Kernels a foreach op launches on CUDA, from its first tensor list."""
     tensors = next((a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)), [])
     elements = sum(t.numel() for t in tensors)
-    return max(1, math.ceil(len(tensors) / FOREACH_TENSORS_PER_KERNEL), math.ceil(elements / FOREACH_ELEMENTS_PER_KERNEL))
+    return max(1, math.ceil(len(tensors) / FOREACH_TENSORS_PER_KERNEL),
+               math.ceil(elements / FOREACH_ELEMENTS_PER_KERNEL))
 
 
 class _OpCostMode(TorchDispatchMode):

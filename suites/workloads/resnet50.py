@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from suites.workloads.base import Batch, ConvRoles, SizeSpec, Traits, Workload
@@ -49,6 +48,10 @@ SIZES = {
 def build(size: SizeSpec) -> nn.Module:
     config = size.config
     # torchvision.models.resnet50 is exactly ResNet(Bottleneck, [3, 4, 6, 3]); smaller sizes change the knobs.
+    # Imported here: torchvision's package import takes about a second (it loads torch._dynamo), which
+    # every `headroom` command would pay even when no ResNet is built.
+    import torchvision.models.resnet
+
     return torchvision.models.resnet.ResNet(
         torchvision.models.resnet.Bottleneck, list(config.get("layers", RESNET50_LAYERS)),
         num_classes=config["num_classes"], width_per_group=config.get("width_per_group", 64))

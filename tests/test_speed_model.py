@@ -1,0 +1,167 @@
+"""The per-op speed model: op shapes from the trace, saturation, the host's issue cost, achievable peaks,
+constants per vendor, the tf32 technique, and the fit recovering constants it generated data with."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from harness.cell import Cell
+from harness.profiles import load_profiles
+from harness.project import project, traced
+from harness.project.depth import traced_to_depth
+from harness.project.roofline import ISSUERS, OpArrays, estimate, step_time
+from harness.project.speed_constants import constants_for
+from harness.project.speed_fit import SpeedPoint, fit, held_out, projected_s
+from harness.project.trace import foreach_kernels
+from suites.step import tf32_matmuls
+from suites.techniques import TECHNIQUES, parse_stack
+from suites.workloads import WORKLOADS
+
+PROFILES = load_profiles()
+
+
+def _cell(workload="gpt", size="smoke", technique="baseline", mode="train", batch=4, gpu="h100-sxm", spec=None):
+    spec = spec or WORKLOADS[workload].sizes[size]
+    return Cell(workload, spec.name, mode, parse_stack(technique).name, gpu, batch, "projected").resolve(
+        PROFILES, spec=spec)
+
+
+def _gemm(flops: float, count: int = 1, aligned: bool = True, issuer: str = "python") -> OpArrays:
+    """One op kind as the model's input: `count` bf16 GEMMs of `flops` on an H100."""
+    profile = PROFILES["h100-sxm"]
+    return OpArrays(count=np.array([count], float), flops=np.array([flops]), bytes=np.array([flops / 1000]),
+                    kernels=np.array([1.0]), phase=np.array([0]), issuer=np.array([ISSUERS.index(issuer)]),
+                    aligned=np.array([aligned]), op_class=np.array([0]),
+                    achievable=np.array([profile.achievable_flops["bf16"]]),
+                    datasheet=np.array([profile.peak("bf16")]), sm_count=profile.sm_count,
+                    bandwidth=profile.memory_bandwidth_bytes_s, achievable_bandwidth=None, host_is_device=False)
+
+
+def _no_host(constants):
+    host = dataclasses.replace(constants.host, issue_python_s=0.0, issue_engine_s=0.0, issue_inference_s=0.0,
+                               issue_conv_s=0.0)
+    return dataclasses.replace(constants, host=host, gpu=dataclasses.replace(constants.gpu, kernel_s=0.0))
+
+
+def test_small_gemms_reach_a_smaller_share_of_the_achievable_rate_than_large_ones():
+    constants = _no_host(constants_for(PROFILES["h100-sxm"]))
+    rate = PROFILES["h100-sxm"].achievable_flops["bf16"]
+
+    def share(flops):
+        return flops / step_time(_gemm(flops), constants).step_s / rate
+
+    assert share(1e8) < 0.2 < 0.9 < share(1e13) <= 1.0
+    assert share(1e8) < share(1e10) < share(1e12)
+
+
+def test_unaligned_gemms_run_slower_than_aligned_ones():
+    constants = _no_host(constants_for(PROFILES["h100-sxm"]))
+    assert step_time(_gemm(1e12, aligned=False), constants).step_s > 1.5 * step_time(_gemm(1e12), constants).step_s
+
+
+def test_the_host_issue_cost_decides_a_step_of_tiny_ops_and_not_one_of_big_ones():
+    constants = constants_for(PROFILES["h100-sxm"])
+    tiny = step_time(_gemm(1e6, count=1000), constants)
+    assert tiny.step_s == pytest.approx(tiny.issue_s, rel=0.05)  # the GPU waits on the host
+    assert tiny.overhead_s > 0.5 * tiny.step_s
+    big = step_time(_gemm(1e13, count=10), constants)
+    assert big.issue_s < 0.01 * big.step_s and big.overhead_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_profile_without_a_measured_matmul_rate_is_derated_by_generation_and_says_so():
+    cell = _cell(gpu="h100-pcie")
+    measured = estimate(traced(cell), PROFILES["h100-sxm"])
+    derated = estimate(traced(cell), PROFILES["h100-pcie"])
+    assert any("no measured matmul rate for fp32 on h100-pcie" in note for note in derated.notes)
+    assert derated.step_s > 0 and measured.step_s > 0
+    # h100-sxm has a measured bf16 rate: an amp-bf16 projection's note does not claim a derating for bf16.
+    amp = estimate(traced(_cell(technique="amp-bf16")), PROFILES["h100-sxm"])
+    assert not any("bf16 on h100-sxm" in note for note in amp.notes)
+
+
+def test_amd_gpus_are_costed_with_amd_constants_never_nvidias_fit():
+    amd = constants_for(PROFILES["mi300x"])
+    nvidia = constants_for(PROFILES["h100-sxm"])
+    assert amd.key == "amd.cdna3" and nvidia.key == "nvidia.hopper"
+    assert not amd.gpu.fitted
+    assert amd.gpu.matmul_derating == pytest.approx(0.514)  # MI300X's MAMF share, not NVIDIA's
+    time = project(_cell(gpu="mi300x", technique="amp-bf16")).time
+    assert any("not fitted" in note for note in time.notes)
+
+
+def test_op_shapes_are_extrapolated_in_depth_as_a_full_trace_counts_them():
+    spec = dataclasses.replace(WORKLOADS["gpt"].sizes["smoke"], config={**WORKLOADS["gpt"].sizes["smoke"].config,
+                                                                         "n_layer": 6})
+    cell = _cell(spec=spec)
+    extrapolated, _, depths = traced_to_depth(cell, PROFILES["h100-sxm"])
+    full = traced(cell)
+    assert depths  # 6 layers are traced at 2 and 3 and extrapolated
+    def total(trace, field, phase):
+        return sum(getattr(s, field) * n for s, n in trace.ops.items() if s.phase == phase)
+
+    for phase in ("forward", "backward", "optimizer"):
+        assert total(extrapolated, "flops", phase) == pytest.approx(total(full, "flops", phase), rel=1e-6)
+        assert total(extrapolated, "bytes", phase) == pytest.approx(total(full, "bytes", phase), rel=0.02)
+    assert estimate(extrapolated, PROFILES["h100-sxm"]).step_s == pytest.approx(
+        estimate(full, PROFILES["h100-sxm"]).step_s, rel=0.05)
+
+
+def test_issuers_tell_autograd_forward_engine_backward_recomputation_and_inference_apart():
+    train = traced(_cell(technique="checkpointing"))
+    issuers = {(s.phase, s.issuer) for s in train.ops}
+    assert {("forward", "python"), ("backward", "engine"), ("optimizer", "python")} <= issuers
+    assert ("backward", "python") in issuers  # the checkpoint's recomputed forward, issued from Python
+    infer = traced(_cell(mode="infer"))
+    assert {s.issuer for s in infer.ops} == {"inference"}
+
+
+def test_foreach_ops_launch_a_kernel_per_chunk_of_tensors():
+    assert foreach_kernels(([torch.empty(1)] * 10, [torch.empty(1)] * 10)) == 1
+    assert foreach_kernels(([torch.empty(1)] * 130,)) == 3
+    assert foreach_kernels(([torch.empty(30_000_000)],)) == 2
+
+
+def test_tf32_runs_fp32_matmuls_on_tensor_cores_where_the_gpu_has_them():
+    assert "tf32" in TECHNIQUES
+    fp32 = project(_cell(gpu="a100-sxm4-80gb", size="gpt2-124m", batch=8))
+    tf32 = project(_cell(gpu="a100-sxm4-80gb", size="gpt2-124m", batch=8, technique="tf32"))
+    assert tf32.trace.tf32 and tf32.trace.precision == "tf32"
+    assert tf32.time.step_s < 0.6 * fp32.time.step_s  # 156 vs 19.5 TFLOP/s for the matmuls
+    assert "Tesla T4 has no TF32 tensor cores" in _cell(gpu="t4", technique="tf32").unsupported
+    assert "has no TF32" in _cell(gpu="cpu", technique="tf32").unsupported
+    # Under autocast the row keeps its 16-bit label.
+    assert project(_cell(technique="amp-bf16+tf32")).trace.precision == "bf16-mixed"
+
+
+def test_the_tf32_switch_is_restored_after_a_step():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with tf32_matmuls(True):
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+def test_the_fit_recovers_constants_from_steps_they_generated_and_held_out_errors_stay_small():
+    """Synthetic steps of several shapes timed by known constants: the fit must find them again."""
+    profile = PROFILES["h100-sxm"]
+    base = constants_for(profile)
+    truth = {"issue_python_s": 3e-5, "issue_engine_s": 8e-6, "issue_inference_s": 1.2e-5, "issue_conv_s": 2e-5,
+             "overlap": 3.0, "kernel_s": 3e-6, "saturation_flops_per_sm": 2e7, "conv_efficiency": 0.5,
+             "attention_efficiency": 0.7, "unaligned_efficiency": 0.5, "bandwidth_efficiency": 0.8}
+    points = []
+    for index, (flops, count) in enumerate([(1e6, 500), (1e9, 300), (1e10, 200), (1e11, 100), (1e12, 40),
+                                             (1e13, 10), (3e9, 800), (2e11, 60)]):
+        for aligned in (True, False):
+            ops = _gemm(flops, count, aligned=aligned, issuer=("python", "engine", "inference")[index % 3])
+            point = SpeedPoint(f"p{index}{aligned}", f"g{index}{aligned}", "synthetic", "bf16-mixed", profile.id,
+                               ops, base, 1.0, "synthetic")
+            points.append(dataclasses.replace(point, measured_s=projected_s(point, truth)))
+    start = {k: v * 1.8 for k, v in truth.items()} | {"overlap": 2.0}
+    found = fit(points, start)
+    for point in points:
+        assert projected_s(point, found) == pytest.approx(point.measured_s, rel=0.02)
+    errors = [abs(r.error) for r in held_out(points[:8], start)]
+    assert np.median(errors) < 0.05
