@@ -7,7 +7,9 @@ User errors (unknown names, bad files, unwritable folders) print one line and ex
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import re
 import signal
 import sys
 import time
@@ -70,6 +72,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _memory_size(text: str) -> int:
+    """Bytes from `16G`, `512M`, `1.5T` or a plain number of bytes; at least 256 MiB (a cell imports
+    torch) and at most 1 PiB."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a size such as 16G or 512M, got {text!r}")
+    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]
+    if not 2**28 <= value <= 2**50:
+        raise argparse.ArgumentTypeError(f"expected a size from 256M to 1024T, got {text!r}")
+    return int(value)
+
+
 def _fraction(text: str) -> float:
     """A number strictly between 0 and 1 (a coefficient of variation to flag noise at)."""
     value = _number(text, "a number between 0 and 1")
@@ -113,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="flag a cell noisy above this coefficient of variation across repeats, or with its "
                           "mean step more than twice this off its median (default 0.05)")
     run.add_argument("--resume", action="store_true", help="skip cells already recorded in --out")
+    run.add_argument("--retry-failed", action="store_true",
+                     help="with --resume: run the error and timeout cells again (their rows are replaced)")
+    run.add_argument("--cell-memory", type=_memory_size, default=None, metavar="SIZE",
+                     help="most memory a cell measured on the host CPU may use, e.g. 8G (default: 80%% of the "
+                          "memory available at the start); a cell projected above it is not started")
     run.add_argument("--require-device", action="store_true",
                      help="refuse instead of projecting when a requested GPU is not this machine's")
     run.add_argument("--no-report", action="store_true", help="do not write report.html")
@@ -196,6 +218,15 @@ def main(argv: list[str] | None = None) -> int:
         # stdout pointed at /dev/null so the interpreter's final flush does not complain either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except OSError as exc:
+        if debug:
+            raise
+        # Disk full, a folder removed under a run, a permission changed: one line. A cell whose row
+        # could not be written is not recorded, so `--resume` runs it again.
+        where = f" ({exc.filename})" if exc.filename else ""
+        hint = "; free space, then rerun with --resume" if exc.errno == errno.ENOSPC else ""
+        print(f"headroom: error: {exc.strerror or exc}{where}{hint}", file=sys.stderr)
+        return 1
 
 
 def _profiles(args):
@@ -211,8 +242,10 @@ def cmd_run(args) -> int:
     from harness.plan import plan_run
     from harness.profiles import detect_local, resolve_gpus
     from harness.records import DEFAULT_NOISE_THRESHOLD, ResultsStore, new_run_id
-    from harness.runner import DEFAULT_CELL_TIMEOUT_S, RunnerOptions, run_plan
+    from harness.runner import DEFAULT_CELL_TIMEOUT_S, RunnerOptions, default_cell_memory, run_plan
 
+    if args.retry_failed and not args.resume:
+        raise UsageError("--retry-failed reruns the failed cells of an earlier run: give it with --resume")
     console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
     profiles = _profiles(args)
     local = detect_local(profiles)
@@ -228,8 +261,8 @@ def cmd_run(args) -> int:
     run_id = store.open(run_id, resume=args.resume)
     out = store.root
     options = RunnerOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
-                            settings=settings,
-                         profiles_dir=args.profiles)
+                            settings=settings, profiles_dir=args.profiles,
+                            cell_memory_bytes=args.cell_memory or default_cell_memory())
     console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), "
                   f"scale {plan.scale}; {len(projected)} projected cells" + (f" (scale {plan.projected_scale} "
                                                                               "for other GPUs)"
@@ -256,9 +289,12 @@ def cmd_run(args) -> int:
     # SIGTERM and SIGHUP end the run as Ctrl-C does: finished cells stay saved and --resume goes on.
     for name in ("SIGTERM", "SIGHUP"):
         signal.signal(getattr(signal, name), _interrupt)
-    records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume)
+    records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume,
+                       retry_failed=args.retry_failed)
     frame = store.write_frame()
-    _write_run_ledger(frame, profiles, out, console)
+    from harness.cli_speed import write_run_ledger
+
+    write_run_ledger(frame, profiles, out, console)
     if not args.no_report:
         from reports.build import write_report
 
@@ -271,79 +307,14 @@ def cmd_run(args) -> int:
     return EXIT_CELLS_FAILED if failed else 0
 
 
-def cmd_calibrate(args) -> int:
-    import torch
+def _speed(name: str):
+    """A command of harness/cli_speed.py, imported when it runs."""
+    def command(args) -> int:
+        from harness import cli_speed
 
-    from harness.calibrate import calibrate, write_overlay
-    from harness.profiles import detect_local
+        return getattr(cli_speed, name)(args)
 
-    profile = detect_local(_profiles(args))
-    device = torch.device("cpu" if profile.vendor == "cpu" else "cuda")
-    started = time.perf_counter()
-    print(f"calibrating {profile.id} on {device} ({'quick' if args.quick else 'full'} sweep)", file=sys.stderr)
-    result = calibrate(profile, device, quick=args.quick, progress=lambda line: print("  " + line, file=sys.stderr))
-    path = write_overlay(result, args.out)
-    rates = ", ".join(f"{k} {v / 1e12:,.1f}" for k, v in result.achievable_flops.items())
-    print(f"{profile.id}: matmul TFLOP/s {rates}; copy {result.bandwidth_bytes_s / 1e9:,.1f} GB/s; "
-          f"issue {result.issue_s * 1e6:.1f} us/op" + (f"; kernel floor {result.kernel_s * 1e6:.2f} us"
-                                                      if result.kernel_s else ""))
-    for note in result.notes:
-        print(f"note: {note}")
-    print(f"-> {path} in {time.perf_counter() - started:.0f}s; projections use it with --profiles {args.out}")
-    return 0
-
-
-def _write_run_ledger(frame, profiles, out: Path, console) -> None:
-    """The run's twins as ledger pairs in its folder, ready for `headroom ledger add`."""
-    from harness.ledger import LEDGER_NAME, pairs_from_frame, write_ledger
-
-    pairs = pairs_from_frame(frame, profiles, origin=str(out))
-    if len(pairs):
-        write_ledger(pairs, out / LEDGER_NAME)
-        console.print(f"{len(pairs)} projected-vs-measured pairs -> {out / LEDGER_NAME} (to give projections of "
-                      f"cells like these their error bars: headroom ledger add {out})")
-
-
-def cmd_ledger(args) -> int:
-    from harness.ledger import LEDGER_FILE, merge, pairs_from, read_ledger, write_ledger
-
-    if args.ledger_command == "show":
-        return _show_ledger(read_ledger(LEDGER_FILE))
-    target = args.ledger or LEDGER_FILE
-    ledger = read_ledger(target)
-    profiles = _profiles(args)
-    incoming = [pairs_from(path, profiles) for path in args.results]
-    added = 0
-    for pairs in incoming:
-        ledger, count = merge(ledger, pairs)
-        added += count
-    offered = sum(len(p) for p in incoming)
-    if added:
-        write_ledger(ledger, target)
-    print(f"added {added} pairs ({offered - added} already in the ledger or repeated) -> {target} "
-          f"({len(ledger)} pairs)")
-    return 0
-
-
-def _show_ledger(ledger) -> int:
-    import pandas as pd
-
-    from harness.ledger import workload_family
-
-    if ledger.empty:
-        print("the ledger holds no pairs: every projected interval is the wide default")
-        return 0
-    frame = ledger.assign(family=ledger["workload"].map(workload_family),
-                          step=pd.to_numeric(ledger["projected_step_ms"])
-                          / pd.to_numeric(ledger["measured_step_ms"]) - 1,
-                          reserved=pd.to_numeric(ledger["projected_peak_reserved_bytes"])
-                          / pd.to_numeric(ledger["measured_peak_reserved_bytes"]) - 1)
-    print(f"{'workload':10} {'precision':11} {'generation':11} {'pairs':>5} {'step err median':>16} "
-          f"{'reserved err median':>20}   (projected / measured - 1)")
-    for (family, precision, generation), group in frame.groupby(["family", "precision", "generation"]):
-        print(f"{family:10} {precision:11} {generation:11} {len(group):5} {group['step'].median():+16.1%} "
-              f"{group['reserved'].median():+20.1%}")
-    return 0
+    return command
 
 
 def _interrupt(signum, frame) -> None:
@@ -395,9 +366,17 @@ def cmd_report(args) -> int:
         inputs = [given / "results.parquet", given / "results.csv", given / "cells"] if path.is_dir() else [given]
         if any(out == item or item in out.parents for item in inputs):
             raise UsageError(f"--out {args.out} would overwrite the results it reads ({path}); choose another file")
+    import pandas as pd
+
     frames = [read_results(path) for path in args.results]
-    write_report(frames, args.out)
-    print(f"wrote {args.out} from {sum(len(f) for f in frames)} rows")
+    # The same run given twice (a folder and its results.csv, or a copy) is one set of rows: a row equal
+    # to another in every column is the same row read twice.
+    merged = pd.concat(frames, ignore_index=True)
+    unique = merged[~merged.astype(str).duplicated(keep="first")]
+    repeated = len(merged) - len(unique)
+    write_report([unique], args.out)
+    print(f"wrote {args.out} from {len(unique)} rows" + (f" ({repeated} repeated rows of the same runs counted once)"
+                                                        if repeated else ""))
     return 0
 
 
@@ -446,8 +425,8 @@ def cmd_env(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "project": cmd_project, "report": cmd_report, "ledger": cmd_ledger,
-            "calibrate": cmd_calibrate,
+COMMANDS = {"run": cmd_run, "project": cmd_project, "report": cmd_report, "ledger": _speed("cmd_ledger"),
+            "calibrate": _speed("cmd_calibrate"),
             "profiles": cmd_profiles,
             "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env}
 

@@ -175,6 +175,13 @@ def interval(projected: float, ledger: pd.DataFrame, measured_column: str, proje
                     f"no measured pairs: x1/{NO_PAIRS_FACTOR:g} to x{NO_PAIRS_FACTOR:g}")
 
 
+def unfitted_interval(projected: float) -> Interval:
+    """The wide default, for a GPU whose vendor's speed constants were never fitted on a measurement
+    (no pair of another vendor says how far off its priors are)."""
+    return Interval(projected / NO_PAIRS_FACTOR, projected * NO_PAIRS_FACTOR, 0,
+                    f"speed constants not fitted for this vendor: x1/{NO_PAIRS_FACTOR:g} to x{NO_PAIRS_FACTOR:g}")
+
+
 @cache
 def shipped_ledger() -> pd.DataFrame:
     """The package's ledger, read once per process."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import re
 import tomllib
@@ -161,9 +160,15 @@ def _fail(path: Path, field_name: str, expected: str) -> ProfileError:
     return ProfileError(f"{path}: field {field_name!r}: expected {expected}")
 
 
-def _positive(path: Path, name: str, value: Any, expected: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise _fail(path, name, f"{expected} (finite), got {value!r}")
+# Upper bounds far above any device (a million TFLOP/s, GiB, GB/s...): a larger figure is a typo or
+# hostile, and one like 1e308 would overflow to inf once scaled to FLOP/s or bytes (MFU 0, cost 0).
+MAX_FIGURE = 1e6
+MAX_PROFILE_BYTES = 1 << 20  # a profile is a page of TOML; anything larger is not one
+
+
+def _positive(path: Path, name: str, value: Any, expected: str, upper: float = MAX_FIGURE) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= upper:
+        raise _fail(path, name, f"{expected} (above 0 and at most {upper:g}), got {value!r}")
     return value
 
 
@@ -181,6 +186,10 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
             raise _fail(path, key, f"{expected}, got {value!r}")
         if isinstance(value, str) and not value.strip():
             raise _fail(path, key, f"{expected}, got an empty string")
+    for key, value in _strings(data):
+        # Names are printed to terminals: an escape sequence in one would redraw the user's screen.
+        if any(ord(char) < 32 or 127 <= ord(char) < 160 for char in value):
+            raise _fail(path, key, f"text without control characters, got {value!r}")
     if data["id"] != path.stem:
         raise _fail(path, "id", f"the file name's stem {path.stem!r}, got {data['id']!r}")
     for key in ("id", "family"):
@@ -199,7 +208,8 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
     for key in ("memory_gib", "visible_memory_mib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib",
                 "devices_per_package", "achievable_bandwidth_gb_s"):
         if key in data:
-            _positive(path, key, data[key], _TOP_LEVEL[key][1])
+            upper = 1e9 if key == "visible_memory_mib" else MAX_FIGURE  # MiB: a million GiB is 1e9
+            _positive(path, key, data[key], _TOP_LEVEL[key][1], upper=upper)
 
     peak = _flops_table(path, "peak_tflops", data.get("peak_tflops", {}))
     sparse = _flops_table(path, "sparse_tflops", data.get("sparse_tflops", {}))
@@ -265,6 +275,20 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
     )
 
 
+def _strings(data: dict, prefix: str = ""):
+    """(dotted key, text) for every string in a parsed TOML document, nested tables and lists included."""
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        if isinstance(value, str):
+            yield name, value
+        for inner_key, inner in items:
+            if isinstance(inner, str):
+                yield f"{name}.{inner_key}", inner
+            elif isinstance(inner, dict):
+                yield from _strings(inner, f"{name}.{inner_key}.")
+
+
 def _is_cc(value: str) -> bool:
     return re.fullmatch(r"[0-9]+\.[0-9]+", value) is not None
 
@@ -277,15 +301,30 @@ def _flops_table(path: Path, section: str, table: dict[str, Any]) -> dict[str, f
     return dict(table)
 
 
-def load_profile(path: Path) -> GpuProfile:
-    """Read and validate one TOML file."""
+def read_toml(path: Path) -> dict[str, Any]:
+    """A small TOML file's document; ProfileError naming the file for anything that is not one (a FIFO or
+    a device, which would block or never end; an oversized file; invalid UTF-8; nesting too deep)."""
     try:
+        if not path.is_file():
+            raise ProfileError(f"{path}: not a regular file (a FIFO, a device or a folder); give a TOML file")
+        if path.stat().st_size > MAX_PROFILE_BYTES:
+            raise ProfileError(f"{path}: {path.stat().st_size:,} bytes, more than a profile's "
+                               f"{MAX_PROFILE_BYTES:,}; is it the right file?")
         with open(path, "rb") as handle:
-            data = tomllib.load(handle)
+            return tomllib.load(handle)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
+    except RecursionError:
+        raise ProfileError(f"{path}: nested too deeply to be a profile") from None
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def load_profile(path: Path) -> GpuProfile:
+    """Read and validate one TOML file."""
+    data = read_toml(path)
     profile = parse_profile(data, path)
     if "memory_gib" in data.get("measured_at_runtime", []):
         profile = _with_host_memory(profile)
@@ -339,11 +378,7 @@ def load_profiles(extra: str | os.PathLike | None = None) -> dict[str, GpuProfil
 
 def apply_overlay(profiles: dict[str, GpuProfile], path: Path) -> GpuProfile:
     """The profile an overlay names, with its measured figures in place of derated datasheet ones."""
-    try:
-        with open(path, "rb") as handle:
-            data = tomllib.load(handle)
-    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{path}: not a readable overlay: {exc}") from None
+    data = read_toml(path)
     target = data.get("profile")
     if target not in profiles:
         raise ProfileError(f"{path}: field 'profile': the id of a loaded profile, got {target!r}")

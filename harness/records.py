@@ -144,18 +144,28 @@ def records_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """A frame with every column in schema order and nullable dtypes (so None stays empty, not 0/NaN)."""
     # Object dtype first: letting pandas infer would turn ints beside None into floats (losing > 2**53).
     frame = pd.DataFrame(rows, columns=COLUMNS, dtype=object)
-    for column in _INT_COLUMNS:
-        frame[column] = pd.array([None if _is_missing(v) else int(v) for v in frame[column]], dtype="Int64")
-    for column in _FLOAT_COLUMNS:
-        frame[column] = pd.array([None if _is_missing(v) else float(v) for v in frame[column]], dtype="Float64")
-    for column in _BOOL_COLUMNS:
-        frame[column] = pd.array([None if _is_missing(v) else _to_bool(v) for v in frame[column]], dtype="boolean")
+    for columns, convert, dtype, expected in ((_INT_COLUMNS, int, "Int64", "whole numbers"),
+                                              (_FLOAT_COLUMNS, float, "Float64", "numbers"),
+                                              (_BOOL_COLUMNS, _to_bool, "boolean", "true or false")):
+        for column in columns:
+            frame[column] = pd.array(_converted(frame[column], convert, column, expected), dtype=dtype)
     for column in _STR_COLUMNS:
         # Required text is never missing (empty is ""); optional text is missing, never "".
         frame[column] = frame[column].map(lambda v: "" if _is_missing(v) else str(v)).astype("string")
     for column in _OPTIONAL_STR_COLUMNS:
         frame[column] = frame[column].map(lambda v: None if _is_missing(v) or v == "" else str(v)).astype("string")
     return frame
+
+
+def _converted(values, convert, column: str, expected: str) -> list:
+    """`values` converted, None where missing; ValueError naming the column, the row and the value."""
+    out = []
+    for row, value in enumerate(values, start=1):
+        try:
+            out.append(None if _is_missing(value) else convert(value))
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"column {column!r}: expected {expected}, got {str(value)[:40]!r} (row {row})") from None
+    return out
 
 
 def _is_missing(value: Any) -> bool:
@@ -313,9 +323,10 @@ class ResultsStore:
             raise ValueError(f"output directory {self.root} is not writable ({exc.strerror}); "
                              f"choose another with --out") from None
 
-    def done(self) -> set[str]:
-        """Cell ids already recorded (by readable cell files: a damaged one's cell runs again)."""
-        return {row["cell_id"] for row in self.rows()}
+    def done(self, skip_statuses: tuple[str, ...] = ()) -> set[str]:
+        """Cell ids already recorded (by readable cell files: a damaged one's cell runs again), leaving out
+        rows whose status is in `skip_statuses` (so that they run again)."""
+        return {row["cell_id"] for row in self.rows() if row["status"] not in skip_statuses}
 
     def open(self, run_id: str, resume: bool = False) -> str:
         """Make the folder ready for the run `run_id` and return the id its rows go under: with `resume`,
@@ -425,4 +436,7 @@ def read_results(path: Path) -> pd.DataFrame:
         if column not in frame:
             frame[column] = None
     rows = frame[COLUMNS].astype(object).where(frame[COLUMNS].notna(), None).to_dict("records")
-    return records_frame(rows)
+    try:
+        return records_frame(rows)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

@@ -28,6 +28,12 @@ from harness.records import Record, ResultsStore
 from harness.twins import twin_errors, twin_pairs
 
 DEFAULT_CELL_TIMEOUT_S = 600.0
+# A cell's stderr is kept in a file and only its end is read: a cell (or a helper it started) that
+# prints without end cannot fill the runner's memory.
+STDERR_TAIL_BYTES = 64 * 1024
+# The default --cell-memory: this share of the memory available when the run starts, so that a cell
+# too big for the host becomes an `oom` row instead of waking the system's OOM killer.
+DEFAULT_CELL_MEMORY_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,24 @@ class RunnerOptions:
     profiles_dir: str | None = None
     # The module run as `python -m <cell_entry> SPEC RESULT`; tests swap in one that misbehaves.
     cell_entry: str = "harness.measure.process"
+    # Most memory a cell measured on the host CPU may take (its data segment: heap and anonymous
+    # mappings, RLIMIT_DATA); None: no limit.
+    cell_memory_bytes: int | None = None
+
+
+def available_memory() -> int:
+    """Bytes the host can give without swapping (MemAvailable), its total RAM where unreadable."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_cell_memory() -> int:
+    return int(available_memory() * DEFAULT_CELL_MEMORY_SHARE)
 
 
 def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
@@ -56,27 +80,65 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
         # named like one the cell imports) lying there cannot run inside the cell. A user's model named
         # by --model is imported from there on purpose (suites/workloads/user.py).
         command = [sys.executable, "-P", "-m", options.cell_entry, str(spec_path), str(result_path)]
+        on_host = isinstance(cell, ResolvedCell) and cell.profile.vendor == "cpu"
+        limit = options.cell_memory_bytes if on_host else None
         started = time.perf_counter()
         oom_kills_before = oom_kills()
-        # Own process group, so a timeout kills the cell and anything it started.
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   text=True, start_new_session=True, preexec_fn=_die_with_parent)
-        try:
-            _, stderr = process.communicate(timeout=options.cell_timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            return to_record(cell, failure("timeout", f"exceeded --cell-timeout {options.cell_timeout_s:g} s",
-                                           wall_time_s=time.perf_counter() - started), options.run_id)
+        with open(Path(tmp) / "stderr.txt", "w+b") as stderr_file:
+            # Own process group, so a timeout kills the cell and anything it started. stderr goes to a
+            # file, not a pipe: a helper process that outlives the cell and keeps the pipe open would
+            # otherwise hold the runner until the timeout and cost a finished cell its row.
+            process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr_file,
+                                       start_new_session=True, preexec_fn=lambda: _prepare_child(limit))
+            try:
+                process.wait(timeout=options.cell_timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(process)
+                process.wait()
+                return to_record(cell, failure("timeout", f"exceeded --cell-timeout {options.cell_timeout_s:g} s",
+                                               wall_time_s=time.perf_counter() - started), options.run_id)
+            _kill_group(process)  # the cell is done: helpers it left behind go with it
+            stderr = _tail(stderr_file)
         if result_path.exists():
-            return Record(**json.loads(result_path.read_text(encoding="utf-8")))
+            return _result_row(cell, result_path, options.run_id)
         status, reason = _crash_reason(process.returncode, stderr, oom_kills_before)
+        if status == "error" and limit and ("MemoryError" in stderr or "can't allocate memory" in stderr):
+            status, reason = "oom", f"exceeded --cell-memory {limit / 2**30:,.1f} GiB ({reason})"
         return to_record(cell, failure(status, reason, wall_time_s=time.perf_counter() - started), options.run_id)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGKILL it when the runner dies (even by SIGKILL), so a
-    killed run leaves no orphan cell computing on. No portable API exists, hence prctl via ctypes."""
+def _result_row(cell, result_path: Path, run_id: str) -> Record:
+    """The row the cell wrote; an error row where it cannot be read as one (a cell started from a checkout
+    updated mid-run may write fields this runner does not know)."""
+    try:
+        return Record(**json.loads(result_path.read_text(encoding="utf-8")))
+    except (ValueError, TypeError) as exc:
+        return to_record(cell, failure("error", f"the cell's result could not be read ({type(exc).__name__}: "
+                                                f"{str(exc)[:200]}); was the checkout updated during the run?"),
+                         run_id)
+
+
+def _tail(handle) -> str:
+    handle.seek(0, os.SEEK_END)
+    handle.seek(max(0, handle.tell() - STDERR_TAIL_BYTES))
+    return handle.read().decode("utf-8", errors="replace")
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def _prepare_child(memory_limit: int | None) -> None:
+    """In the child, before exec: cap its data segment (a cell measured on the host), and ask Linux to
+    SIGKILL it when the runner dies (even by SIGKILL), so a killed run leaves no orphan cell computing
+    on. No portable API exists for the latter, hence prctl via ctypes."""
+    if memory_limit:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_limit, memory_limit))
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -121,9 +183,10 @@ def oom_kills(events: Path = Path("/sys/fs/cgroup/memory.events")) -> int | None
 
 def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsStore, options: RunnerOptions,
              on_done: Callable[[int, int, Cell, Record | None], None] | None = None,
-             resume: bool = False) -> list[Record]:
-    """Run every cell not already in the store (when resuming) and write rows as they finish."""
-    done = store.done() if resume else set()
+             resume: bool = False, retry_failed: bool = False) -> list[Record]:
+    """Run every cell not already in the store (when resuming; `retry_failed`: cells recorded as error or
+    timeout count as not done) and write rows as they finish (a rerun cell's row replaces its old one)."""
+    done = (store.done(skip_statuses=("error", "timeout") if retry_failed else ())) if resume else set()
     records: list[Record] = []
     for index, cell in enumerate(cells, start=1):
         if cell.cell_id in done:
@@ -154,7 +217,23 @@ def run_cell(cell: Cell, profiles: dict[str, GpuProfile], options: RunnerOptions
         return to_record(resolved, failure("unsupported", resolved.unsupported), options.run_id)
     if cell.source == "projected":
         return to_record(resolved, project_outcome(resolved), options.run_id)
+    too_big = _preflight(resolved, options)
+    if too_big:
+        return to_record(resolved, failure("oom", too_big), options.run_id)
     return run_isolated(resolved, options)
+
+
+def _preflight(cell: ResolvedCell, options: RunnerOptions) -> str:
+    """Why a cell measured on the host cannot fit its memory limit, judged by its projection before a
+    process starts ("" where it may fit, or where the projection cannot tell)."""
+    if cell.profile.vendor != "cpu" or not options.cell_memory_bytes:
+        return ""
+    outcome = project_outcome(cell)  # the trace is cached: the cell's projected twin reuses it
+    peak = outcome.memory.peak_allocated if outcome.memory else None
+    if peak and peak > options.cell_memory_bytes:
+        return (f"pre-flight: projected peak {peak / 2**30:,.1f} GiB > --cell-memory "
+                f"{options.cell_memory_bytes / 2**30:,.1f} GiB (the cell was not started)")
+    return ""
 
 
 def attach_twin_errors(store: ResultsStore) -> None:

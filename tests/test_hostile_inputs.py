@@ -5,15 +5,18 @@ the door with one line and a non-zero exit."""
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from harness.cell import Cell
 from harness.cli import main
 from harness.profiles import ProfileError, load_profiles
-from harness.records import SCHEMA_VERSION, ResultsStore
+from harness.records import SCHEMA_VERSION, Record, ResultsStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,3 +199,140 @@ def test_report_never_overwrites_its_own_input(tmp_path, capsys):
     assert main(["report", str(folder), "--out", str(folder / "results.csv")]) == 2  # a folder's files too
     assert (folder / "results.csv").read_bytes() == data.read_bytes()
     assert main(["report", str(copy), "--out", str(tmp_path / "report.html")]) == 0
+
+
+# --- resources, damaged inputs and updates mid-run ---------------------------------------------------
+
+def _unruly(monkeypatch, behaviour: str, **options):
+    from harness.cell import Cell
+    from harness.profiles import load_profiles
+    from harness.runner import RunnerOptions, run_isolated
+
+    monkeypatch.setenv("UNRULY", behaviour)
+    cell = Cell("gpt", "smoke", "train", "baseline", "cpu", 4, "measured").resolve(load_profiles())
+    return run_isolated(cell, RunnerOptions(run_id="t", cell_entry="tests.unruly_cell", **options))
+
+
+def test_a_helper_process_that_outlives_its_cell_costs_it_neither_its_row_nor_the_timeout(monkeypatch):
+    started = time.monotonic()
+    record = _unruly(monkeypatch, "helper", cell_timeout_s=100)
+    assert record.status == "ok"
+    assert time.monotonic() - started < 60  # the helper sleeps 120 s holding the cell's stderr
+
+
+def test_a_cells_stderr_is_read_with_a_bound_and_its_last_line_kept(monkeypatch):
+    record = _unruly(monkeypatch, "chatty", cell_timeout_s=100)
+    assert record.status == "error" and "exited with code 3" in record.reason
+    assert "the last line" in record.reason and len(record.reason) < 600
+
+
+def test_a_cell_over_its_memory_limit_is_an_oom_row_not_the_systems_oom_killer(monkeypatch):
+    record = _unruly(monkeypatch, "greedy", cell_timeout_s=100, cell_memory_bytes=1 << 30)
+    assert record.status == "oom" and "exceeded --cell-memory 1.0 GiB" in record.reason
+
+
+def test_a_cell_projected_above_its_memory_limit_is_not_started():
+    from harness.cell import Cell
+    from harness.profiles import load_profiles
+    from harness.runner import RunnerOptions, run_cell
+
+    cell = Cell("gpt", "gpt2-124m", "train", "baseline", "cpu", 8, "measured")
+    record = run_cell(cell, load_profiles(), RunnerOptions(run_id="t", cell_memory_bytes=1 << 28,
+                                                          cell_entry="tests.no_such_module"))
+    assert record.status == "oom" and record.reason.startswith("pre-flight: projected peak")
+    assert "was not started" in record.reason
+
+
+def test_a_row_from_a_checkout_updated_mid_run_becomes_an_error_row(monkeypatch):
+    record = _unruly(monkeypatch, "newer", cell_timeout_s=100)
+    assert record.status == "error" and "checkout updated during the run" in record.reason
+
+
+def test_disk_full_is_one_line_and_the_cell_runs_again_on_resume(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from harness.records import ResultsStore
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.cells_dir / "x.json"))
+
+    monkeypatch.setattr(ResultsStore, "add", full)
+    code = main(["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline", "--mode", "infer",
+                 "--repeats", "1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("headroom: error: No space left on device")
+    assert "rerun with --resume" in err[-1] and "Traceback" not in "\n".join(err)
+    monkeypatch.undo()
+    assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline", "--mode", "infer",
+                 "--repeats", "1", "--out", str(tmp_path / "out"), "--resume"]) == 0
+    assert "gpt smoke infer baseline on cpu (batch 4): ok" in capsys.readouterr().err
+
+
+def test_retry_failed_reruns_error_and_timeout_rows_and_needs_resume(tmp_path, capsys):
+    from harness.records import ResultsStore
+
+    store = ResultsStore(tmp_path)
+    store.prepare()
+    for cell_id, status in (("a", "ok"), ("b", "error"), ("c", "timeout"), ("d", "oom")):
+        store.add(Record(run_id="r", workload="gpt", size="smoke", mode="train", technique="baseline", gpu="cpu",
+                         source="measured", status=status, cell_id=cell_id, reason="" if status == "ok" else "x"))
+    assert store.done() == {"a", "b", "c", "d"}
+    assert store.done(skip_statuses=("error", "timeout")) == {"a", "d"}
+    assert main(["run", "--retry-failed", "--out", str(tmp_path)]) == 2
+    assert "give it with --resume" in capsys.readouterr().err
+
+
+def test_parquet_and_csv_agree_after_a_resume(tmp_path):
+    from harness.records import read_results
+
+    argv = ["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline", "--mode", "infer",
+            "--repeats", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert main([*argv, "--resume", "--technique", "baseline,checkpointing", "--mode", "train,infer"]) == 0
+    parquet, csv = read_results(tmp_path / "results.parquet"), read_results(tmp_path / "results.csv")
+    assert len(parquet) == len(csv) >= 4
+    pd.testing.assert_frame_equal(parquet.astype(str), csv.astype(str))
+
+
+@pytest.mark.parametrize("line, phrase", [
+    ('peak_tflops = { fp32 = 1e308 }', "peak_tflops.fp32': expected a positive number of TFLOP/s"),
+    ('memory_bandwidth_gb_s = 1e300', "at most 1e+06"),
+    ('name = "GPU\\u001b[2J"', "field 'name': expected text without control characters"),
+    ('deep = ' + '[' * 3000 + ']' * 3000, "nested too deeply"),
+])
+def test_hostile_profile_values_are_refused_naming_file_and_field(tmp_path, line, phrase):
+    top = {"id": '"odd"', "family": '"odd"', "name": '"Odd"', "vendor": '"nvidia"', "match": '["Odd"]'}
+    top[line.split(" ")[0]] = line.split(" = ", 1)[1]
+    body = "".join(f"{key} = {value}\n" for key, value in top.items())
+    body += "[features]\nbf16 = true\ntf32 = true\nfp8 = false\nsparse_2to4 = false\nflash_attention = true\n"
+    (tmp_path / "odd.toml").write_text(body)
+    with pytest.raises(ProfileError, match=re.escape(phrase)) as caught:
+        load_profiles(tmp_path)
+    assert "odd.toml" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_fifo_a_device_and_invalid_utf8_are_refused_as_profiles(tmp_path):
+    os.mkfifo(tmp_path / "fifo.toml")
+    with pytest.raises(ProfileError, match="fifo.toml: not a regular file"):
+        load_profiles(tmp_path)  # would block forever on open() if it were read
+    (tmp_path / "fifo.toml").unlink()
+    (tmp_path / "zero.toml").symlink_to("/dev/zero")
+    with pytest.raises(ProfileError, match="zero.toml: not a regular file"):
+        load_profiles(tmp_path)  # would read without end
+    (tmp_path / "zero.toml").unlink()
+    (tmp_path / "bytes.toml").write_bytes(b'id = "bytes"\nname = "\xff"\n')
+    with pytest.raises(ProfileError, match="bytes.toml: not UTF-8 text"):
+        load_profiles(tmp_path)
+
+
+def test_report_names_file_and_column_of_a_bad_value_and_counts_a_run_once(tmp_path, capsys):
+    source = Path(__file__).resolve().parent.parent / "benchmarks/data/h200-2026-11-30.csv"
+    frame = pd.read_csv(source, dtype=str, keep_default_na=False)
+    frame.loc[0, "peak_allocated_bytes"] = "abc"
+    bad = tmp_path / "bad.csv"
+    frame.to_csv(bad, index=False)
+    assert main(["report", str(bad), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"headroom: error: {bad}: column 'peak_allocated_bytes': expected whole numbers, got 'abc' (row 1)"
+    assert main(["report", str(source), str(source), "--out", str(tmp_path / "twice.html")]) == 0
+    assert "from 40 rows (40 repeated rows of the same runs counted once)" in capsys.readouterr().out

@@ -77,10 +77,11 @@ def test_every_projected_row_carries_its_interval_and_what_it_rests_on():
     assert row.step_time_ms_low <= row.step_time_ms_p50 <= row.step_time_ms_high
     assert row.peak_reserved_low_bytes <= row.peak_reserved_bytes <= row.peak_reserved_high_bytes
     assert row.step_time_pairs >= 3 and "gpt bf16-mixed on hopper" in row.interval_basis
-    # No pair on AMD: the interval is the wide default, and the row says so.
+    # AMD's speed constants were never fitted: its interval is the wide default, and the row says so.
     amd = Cell("bert", "smoke", "train", "baseline", "mi300x", 4, "projected").resolve(PROFILES)
     amd_row = to_record(amd, project_outcome(amd), "t")
-    assert amd_row.step_time_pairs >= 3 or "no measured pairs" in amd_row.interval_basis
+    assert amd_row.step_time_pairs == 0 and "not fitted for this vendor" in amd_row.interval_basis
+    assert amd_row.step_time_ms_high == pytest.approx(9 * amd_row.step_time_ms_low)
 
 
 def test_ledger_add_merges_results_into_a_ledger_file_once(tmp_path, capsys):

@@ -28,7 +28,7 @@ EXPECTED_FAMILIES = {
     "t4": "t4", "a10": "a10", "l4": "l4",
     "a100-pcie-40gb": "a100", "a100-sxm4-40gb": "a100", "a100-pcie-80gb": "a100", "a100-sxm4-80gb": "a100",
     "h100-pcie": "h100", "h100-sxm": "h100", "h100-nvl": "h100", "h200": "h200", "h200-nvl": "h200",
-    "l40s": "l40s", "b200": "b200",
+    "l40s": "l40s", "b200": "b200", "v100-sxm2-32gb": "v100",
     "mi250x": "mi250x", "mi300x": "mi300x", "cpu": "cpu",
 }
 # Top-level fields that are datasheet figures and so must cite a source when present (from the module docs:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from harness.cell import ResolvedCell
-from harness.ledger import interval, shipped_ledger
+from harness.ledger import interval, shipped_ledger, unfitted_interval
 from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
 from harness.project.depth import traced_to_depth
 from harness.project.memory import MemoryProjection, MiB, project_memory
@@ -78,7 +78,7 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
     if step is not None and status == "ok":
         # One projected step time: median, mean and the throughput all come from it.
         bar = interval(step.step_s * 1e3, measured_column="measured_step_ms", projected_column="projected_step_ms",
-                       **kind)
+                       **kind) if step.fitted else unfitted_interval(step.step_s * 1e3)
         basis.append(f"step time: {bar.basis}")
         speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, step_time_ms_mean=step.step_s * 1e3,
                              throughput_samples_s=cell.batch_size / step.step_s, step_time_ms_low=bar.low,

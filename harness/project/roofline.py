@@ -44,6 +44,7 @@ class TimeEstimate:
     launch_s: float   # fixed per-kernel cost
     issue_s: float    # the host's issue time (overlaps the three above)
     notes: tuple[str, ...] = ()
+    fitted: bool = True  # whether the GPU's constants were fitted on measurements of its vendor
 
     @property
     def overhead_s(self) -> float:
@@ -139,7 +140,7 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     return TimeEstimate(
         step_s=float(step), compute_s=float((compute * ops.count)[compute_bound].sum()),
         memory_s=float((memory * ops.count)[~compute_bound].sum()), launch_s=float((launch * ops.count).sum()),
-        issue_s=float(issue_per_op.sum()), notes=tuple(notes))
+        issue_s=float(issue_per_op.sum()), notes=tuple(notes), fitted=gpu.fitted)
 
 
 def estimate(trace: StepTrace, profile, constants: SpeedConstants | None = None, tf32_matmul: bool = False,

@@ -1,0 +1,86 @@
+"""The speed model's commands: `headroom calibrate` (measure this device into a profile overlay) and
+`headroom ledger add/show` (the projected-vs-measured pairs behind every projected interval), and the
+run's own ledger file."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from harness.profiles import load_profiles
+
+
+def cmd_calibrate(args) -> int:
+    import torch
+
+    from harness.calibrate import calibrate, write_overlay
+    from harness.profiles import detect_local
+
+    profile = detect_local(load_profiles(args.profiles))
+    device = torch.device("cpu" if profile.vendor == "cpu" else "cuda")
+    started = time.perf_counter()
+    print(f"calibrating {profile.id} on {device} ({'quick' if args.quick else 'full'} sweep)", file=sys.stderr)
+    result = calibrate(profile, device, quick=args.quick, progress=lambda line: print("  " + line, file=sys.stderr))
+    path = write_overlay(result, args.out)
+    rates = ", ".join(f"{k} {v / 1e12:,.1f}" for k, v in result.achievable_flops.items())
+    print(f"{profile.id}: matmul TFLOP/s {rates}; copy {result.bandwidth_bytes_s / 1e9:,.1f} GB/s; "
+          f"issue {result.issue_s * 1e6:.1f} us/op" + (f"; kernel floor {result.kernel_s * 1e6:.2f} us"
+                                                      if result.kernel_s else ""))
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"-> {path} in {time.perf_counter() - started:.0f}s; projections use it with --profiles {args.out}")
+    return 0
+
+
+def write_run_ledger(frame, profiles, out: Path, console) -> None:
+    """The run's twins as ledger pairs in its folder, ready for `headroom ledger add`."""
+    from harness.ledger import LEDGER_NAME, pairs_from_frame, write_ledger
+
+    pairs = pairs_from_frame(frame, profiles, origin=str(out))
+    if len(pairs):
+        write_ledger(pairs, out / LEDGER_NAME)
+        console.print(f"{len(pairs)} projected-vs-measured pairs -> {out / LEDGER_NAME} (to give projections of "
+                      f"cells like these their error bars: headroom ledger add {out})")
+
+
+def cmd_ledger(args) -> int:
+    from harness.ledger import LEDGER_FILE, merge, pairs_from, read_ledger, write_ledger
+
+    if args.ledger_command == "show":
+        return _show_ledger(read_ledger(LEDGER_FILE))
+    target = args.ledger or LEDGER_FILE
+    ledger = read_ledger(target)
+    profiles = load_profiles(args.profiles)
+    incoming = [pairs_from(path, profiles) for path in args.results]
+    added = 0
+    for pairs in incoming:
+        ledger, count = merge(ledger, pairs)
+        added += count
+    offered = sum(len(p) for p in incoming)
+    if added:
+        write_ledger(ledger, target)
+    print(f"added {added} pairs ({offered - added} already in the ledger or repeated) -> {target} "
+          f"({len(ledger)} pairs)")
+    return 0
+
+
+def _show_ledger(ledger) -> int:
+    import pandas as pd
+
+    from harness.ledger import workload_family
+
+    if ledger.empty:
+        print("the ledger holds no pairs: every projected interval is the wide default")
+        return 0
+    frame = ledger.assign(family=ledger["workload"].map(workload_family),
+                          step=pd.to_numeric(ledger["projected_step_ms"])
+                          / pd.to_numeric(ledger["measured_step_ms"]) - 1,
+                          reserved=pd.to_numeric(ledger["projected_peak_reserved_bytes"])
+                          / pd.to_numeric(ledger["measured_peak_reserved_bytes"]) - 1)
+    print(f"{'workload':10} {'precision':11} {'generation':11} {'pairs':>5} {'step err median':>16} "
+          f"{'reserved err median':>20}   (projected / measured - 1)")
+    for (family, precision, generation), group in frame.groupby(["family", "precision", "generation"]):
+        print(f"{family:10} {precision:11} {generation:11} {len(group):5} {group['step'].median():+16.1%} "
+              f"{group['reserved'].median():+20.1%}")
+    return 0
