@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ValueError) as exc:
         if debug:
             raise
-        print(f"headroom: error: {exc}", file=sys.stderr)
+        print(f"headroom: error: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("headroom: interrupted; finished cells are saved (rerun with --resume)", file=sys.stderr)
@@ -225,8 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         # could not be written is not recorded, so `--resume` runs it again.
         where = f" ({exc.filename})" if exc.filename else ""
         hint = "; free space, then rerun with --resume" if exc.errno == errno.ENOSPC else ""
-        print(f"headroom: error: {exc.strerror or exc}{where}{hint}", file=sys.stderr)
+        print(printable(f"headroom: error: {exc.strerror or exc}{where}{hint}"), file=sys.stderr)
         return 1
+
+
+def printable(text: str) -> str:
+    """`text` with control characters escaped (`\\x1b`): a path or name from the user is printed as what
+    it is, and an escape sequence in it cannot redraw the terminal."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
 def _profiles(args):
@@ -266,7 +272,7 @@ def cmd_run(args) -> int:
     console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), "
                   f"scale {plan.scale}; {len(projected)} projected cells" + (f" (scale {plan.projected_scale} "
                                                                               "for other GPUs)"
-                                                         if foreign else "") + f" -> {out}")
+                                                         if foreign else "") + f" -> {printable(str(out))}")
     if foreign:
         console.print(f"PROJECTED: {', '.join(g.id for g in foreign)} not on this machine (local device: {local.id}); "
                       f"their figures are projected from traces, not measured")
@@ -296,13 +302,18 @@ def cmd_run(args) -> int:
 
     write_run_ledger(frame, profiles, out, console)
     if not args.no_report:
-        from reports.build import write_report
+        try:
+            from reports.build import write_report
 
-        write_report([frame], out / "report.html")
+            write_report([frame], out / "report.html")
+        except Exception as exc:  # the rows are saved; a report problem (a checkout updated mid-run) must not hide that
+            console.print(f"headroom: report.html not written ({type(exc).__name__}: {str(exc)[:200]}); "
+                          f"the results are saved: headroom report {out} --out FILE.html")
     counts = frame["status"].value_counts().to_dict()
     console.print(f"done in {time.perf_counter() - started:.0f}s: {len(records)} cells run, "
                   f"{len(frame)} rows ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) "
-                  f"-> {out}/results.parquet, results.csv" + ("" if args.no_report else ", report.html"))
+                  f"-> {printable(str(out))}/results.parquet, results.csv"
+                  + ("" if args.no_report else ", report.html"))
     failed = frame["status"].isin(["error", "timeout"]).sum()
     return EXIT_CELLS_FAILED if failed else 0
 
@@ -375,8 +386,8 @@ def cmd_report(args) -> int:
     unique = merged[~merged.astype(str).duplicated(keep="first")]
     repeated = len(merged) - len(unique)
     write_report([unique], args.out)
-    print(f"wrote {args.out} from {len(unique)} rows" + (f" ({repeated} repeated rows of the same runs counted once)"
-                                                        if repeated else ""))
+    counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
+    print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
     return 0
 
 

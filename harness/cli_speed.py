@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness.cli import printable
 from harness.profiles import load_profiles
 
 
@@ -40,8 +41,9 @@ def write_run_ledger(frame, profiles, out: Path, console) -> None:
     pairs = pairs_from_frame(frame, profiles, origin=str(out))
     if len(pairs):
         write_ledger(pairs, out / LEDGER_NAME)
-        console.print(f"{len(pairs)} projected-vs-measured pairs -> {out / LEDGER_NAME} (to give projections of "
-                      f"cells like these their error bars: headroom ledger add {out})")
+        shown = printable(str(out))
+        console.print(f"{len(pairs)} projected-vs-measured pairs -> {shown}/{LEDGER_NAME} (to give projections "
+                      f"of cells like these their error bars: headroom ledger add {shown})")
 
 
 def cmd_ledger(args) -> int:

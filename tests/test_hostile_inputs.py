@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -214,10 +213,10 @@ def _unruly(monkeypatch, behaviour: str, **options):
 
 
 def test_a_helper_process_that_outlives_its_cell_costs_it_neither_its_row_nor_the_timeout(monkeypatch):
-    started = time.monotonic()
+    # The helper sleeps 120 s holding the cell's stderr: a runner waiting for that pipe to close would
+    # reach the 100 s limit and record a timeout. No wall-clock assertion: the status says it.
     record = _unruly(monkeypatch, "helper", cell_timeout_s=100)
     assert record.status == "ok"
-    assert time.monotonic() - started < 60  # the helper sleeps 120 s holding the cell's stderr
 
 
 def test_a_cells_stderr_is_read_with_a_bound_and_its_last_line_kept(monkeypatch):
@@ -336,3 +335,23 @@ def test_report_names_file_and_column_of_a_bad_value_and_counts_a_run_once(tmp_p
     assert err == f"headroom: error: {bad}: column 'peak_allocated_bytes': expected whole numbers, got 'abc' (row 1)"
     assert main(["report", str(source), str(source), "--out", str(tmp_path / "twice.html")]) == 0
     assert "from 40 rows (40 repeated rows of the same runs counted once)" in capsys.readouterr().out
+
+
+def test_a_report_that_cannot_be_built_does_not_hide_the_saved_results(tmp_path, monkeypatch, capsys):
+    import reports.build
+
+    def broken(*args, **kwargs):
+        raise ImportError("cannot import name 'format' (the checkout changed mid-run)")
+
+    monkeypatch.setattr(reports.build, "write_report", broken)
+    assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline", "--mode", "infer",
+                 "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert "report.html not written (ImportError" in capsys.readouterr().err
+    assert (tmp_path / "results.parquet").exists() and not (tmp_path / "report.html").exists()
+
+
+def test_escape_codes_in_user_input_are_printed_escaped(tmp_path, capsys):
+    odd = tmp_path / "out\x1b[2J"
+    assert main(["report", str(tmp_path / "missing\x1b[31m.csv"), "--out", str(odd)]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\\x1b[31m" in err
