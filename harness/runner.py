@@ -97,6 +97,12 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
                 process.wait()
                 return to_record(cell, failure("timeout", f"exceeded --cell-timeout {options.cell_timeout_s:g} s",
                                                wall_time_s=time.perf_counter() - started), options.run_id)
+            except BaseException:
+                # Ctrl-C, SIGTERM or SIGHUP on the runner: the cell in flight (and what it started) ends
+                # now, before its temporary folder is removed, not whenever the kernel notices its parent left.
+                _kill_group(process)
+                process.wait()
+                raise
             _kill_group(process)  # the cell is done: helpers it left behind go with it
             stderr = _tail(stderr_file)
         if result_path.exists():

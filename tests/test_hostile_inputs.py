@@ -355,3 +355,27 @@ def test_escape_codes_in_user_input_are_printed_escaped(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing\x1b[31m.csv"), "--out", str(odd)]) == 2
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\\x1b[31m" in err
+
+
+def test_an_interrupted_runner_ends_the_cell_in_flight(tmp_path, monkeypatch):
+    import signal
+
+    pid_file = tmp_path / "pid"
+    monkeypatch.setenv("UNRULY_PID", str(pid_file))
+
+    def interrupt(signum, frame):
+        if pid_file.exists():  # the cell is running: interrupt the runner as Ctrl-C would
+            raise KeyboardInterrupt
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _unruly(monkeypatch, "sleeper", cell_timeout_s=100)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone, and reaped: not left sleeping with its temporary folder removed

@@ -5,6 +5,7 @@ helper: starts a process that outlives the cell holding its stderr, writes its r
 chatty: writes megabytes to stderr, then one last line, and exits without a row.
 greedy: allocates more memory than the runner's --cell-memory allows.
 newer:  writes a row with a field this runner does not know (a checkout updated mid-run).
+sleeper: writes its pid to the file UNRULY_PID names and sleeps.
 """
 
 import json
@@ -35,6 +36,11 @@ def main(argv):
     elif behaviour == "greedy":
         block = bytearray(3 << 30)  # noqa: F841 (held until exit)
         result.write_text(json.dumps(_row(spec)))
+    elif behaviour == "sleeper":
+        import time
+
+        Path(os.environ["UNRULY_PID"]).write_text(str(os.getpid()))
+        time.sleep(120)
     elif behaviour == "newer":
         result.write_text(json.dumps(_row(spec, column_from_the_future=1)))
     return 0
