@@ -342,3 +342,17 @@ def test_projected_utilisation_is_physical(mode):
         cell = Cell("gpt", "gpt2-124m", mode, technique, h100.id, spec.batch_size, source="projected")
         record = project_cell(cell)
         assert record.mfu is None or 0 < record.mfu <= 1, f"gpt {technique} {mode}: MFU {record.mfu}"
+
+
+@pytest.mark.parametrize("workload, size, technique", [("gpt", "smoke", "amp-bf16"), ("resnet50", "smoke", "baseline"),
+                                                       ("bert", "smoke", "checkpointing")])
+def test_the_batch_model_gives_the_memory_a_trace_at_that_batch_gives(workload, size, technique):
+    from harness.project.batch_model import BatchModel
+
+    cell = _cell(workload, size, technique, batch=4, gpu="a100-sxm4-80gb")
+    model = BatchModel(cell, 4, 20)
+    for batch in (4, 11, 20, 24):  # the ends, between them, and a little beyond
+        modelled, real = model.memory(batch), project(cell.with_batch(batch)).memory
+        assert modelled.peak_allocated == pytest.approx(real.peak_allocated, rel=1e-3, abs=64 * 1024)
+        assert modelled.reserved["native"] == pytest.approx(real.reserved["native"], rel=0.01, abs=2 * MiB)
+        assert modelled.fits == real.fits

@@ -1,7 +1,8 @@
 """Searches over projections: the largest batch that fits a GPU, and the largest model size.
 
-Memory is affine in the batch for fixed shapes, so two projections give a guess that a few more
-confirm; sizes are tried from the smallest model up.
+Memory is affine in the batch for fixed shapes, so two projections give a guess, the allocation logs
+traced there give every batch between (batch_model.py) for the search, and two real projections
+confirm its answer; sizes are tried from the smallest model up.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.cell import ResolvedCell
+from harness.project.batch_model import BatchModel
 from suites.techniques import Stack, Unsupported
 from suites.techniques.accumulation import DEFAULT_MICRO_BATCHES
 from suites.workloads.base import SizeSpec, Workload, count_parameters
@@ -30,9 +32,9 @@ def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, s
     """The largest batch (a multiple of `step`, at least `smallest`) whose projected memory fits the
     cell's profile, 0 if none.
 
-    Memory is affine in the batch for fixed shapes: two projections give the slope, the solution is
-    checked by a projection at the answer and walked down (binary search) if the allocator's
-    rounding makes it miss.
+    Memory is affine in the batch for fixed shapes: two projections give the slope and a guess, the
+    search runs on the batch model between the first batch and the guess (batch_model.py), and its
+    answer is confirmed by real projections there and one step above, or searched again with real ones.
     """
     from harness.project import project
 
@@ -52,7 +54,39 @@ def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, s
     def fits(batch: int) -> bool:
         return fits_at(cell, batch)
 
-    # Bracket the answer around the affine guess (low fits, high does not), then bisect.
+    # Probe the batch model (interpolated allocation logs: two traces in all), then confirm its answer
+    # with real projections at it and one step above; where they disagree, search with real ones from there.
+    if guess > start:
+        model = BatchModel(cell, start, guess)
+        modelled = _modelled_fits(model)
+        try:
+            answer = _largest(modelled, start, guess, step, limit)
+        except _NoModel:
+            answer = None
+        if answer is not None:
+            if fits(answer) and (answer + step > limit or not fits(answer + step)):
+                return answer
+            guess = max(start, answer)
+    return _largest(fits, start, guess, step, limit)
+
+
+class _NoModel(Exception):
+    """The two traced logs differ in shape: the batch model cannot answer."""
+
+
+def _modelled_fits(model: BatchModel):
+    def fits(batch: int) -> bool:
+        memory = model.memory(batch)
+        if memory is None:
+            raise _NoModel
+        return bool(memory.fits)
+
+    return fits
+
+
+def _largest(fits, start: int, guess: int, step: int, limit: int) -> int:
+    """The largest multiple of `step` in [start, limit] for which `fits` holds (it holds at `start` and is
+    monotone), bracketed around `guess` (low fits, high does not), then bisected."""
     if fits(guess):
         low, high, jump = guess, guess + step, step
         while high <= limit and fits(high):

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -27,9 +26,13 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from harness.cell import ResolvedCell
 from harness.project.autocast_policy import cuda_autocast_policy
+from harness.project.lean_import import import_mem_tracker
 from suites.step import Step
 from suites.techniques import Run, Stack
 from suites.workloads.base import count_parameters
+
+_mem_tracker = import_mem_tracker()
+MemTracker, _UpdateType = _mem_tracker.MemTracker, _mem_tracker._UpdateType
 
 # CUDA's caching allocator rounds every request up to a multiple of 512 bytes (PyTorch CUDA notes,
 # reference/calibration.md); the CPU allocator reports the requested size.
@@ -97,6 +100,7 @@ class StepTrace:
     # training its backward, which CUDA runs on autograd's device thread): a cuBLAS handle takes its
     # workspace from the caching allocator there, after that matmul's output.
     first_matmul_at: tuple[int, ...] = ()
+    measured_from: int = 0  # where in `events` the measured step starts (its peak is `peak_bytes`)
     # Compute the trace could not see (modules' `untraced_compute`): the roofline cannot time the step.
     untraced: tuple[str, ...] = ()
     param_count: int = 0  # parameters of the model the stack built (as a measured row counts them)
@@ -395,6 +399,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
                 between_forwards(name)
                 marks.setdefault(name, dict(tracker.by_category(), total=tracker.total))
 
+            measured_from = len(tracker.events)
             tracker.peak = tracker.total
             tracker.at_peak = tracker.by_category()
             tracker.phase_peaks, tracker.phase_at_peak = {}, {}
@@ -410,7 +415,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         ops=dict(costs.ops), baseline_bytes=baseline, precision=run.precision, tf32=run.tf32,
         notes=notes + run.notes,
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
-        first_matmul_at=tuple(first_matmuls.at.values()),
+        first_matmul_at=tuple(first_matmuls.at.values()), measured_from=measured_from,
         param_count=count_parameters(run.model),
         untraced=tuple(sorted({m.untraced_compute for m in run.model.modules() if hasattr(m, "untraced_compute")})))
 
