@@ -5,8 +5,10 @@ device's achievable matmul throughput, as stas00's mamf-finder measures it), a l
 copy (achievable bandwidth), the host's cost to issue one small autograd op from Python, and, on CUDA,
 the GPU's floor per kernel (tiny kernels replayed from a CUDA graph, so the host is out of the way).
 The overlay (TOML with provenance) goes in a folder that `--profiles DIR` reads; projections for that
-profile then use the measured figures instead of derated datasheet ones. On a CPU the same code
-measures the host, and the overlay says so.
+profile then cost matmuls at the measured rates instead of derated datasheet ones. The bandwidth and
+per-op figures replace the speed model's constants only where its vendor's were never fitted (there
+the fitted constants absorb costs the raw figures do not carry; speed_constants.py). On a CPU the
+same code measures the host, and the overlay says so.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Calibration:
     issue_s: float | None = None
     kernel_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    method: str = ""
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
@@ -70,8 +73,10 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     return cuda if device.type == "cuda" else cpu
 
 
-def matmul_rates(device: torch.device, sizes=None, dtypes=None, budget_s: float = 90.0) -> dict[str, float]:
-    """Best dense matmul FLOP/s per dtype over square sizes (each size timed for about 0.2 s)."""
+def matmul_rates(device: torch.device, sizes=None, dtypes=None, budget_s: float = 90.0,
+                 notes: list[str] | None = None) -> dict[str, float]:
+    """Best dense matmul FLOP/s per dtype over square sizes (each size timed for about 0.2 s); a dtype the
+    device cannot multiply in is left out with a note."""
     sizes = sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     dtypes = dtypes or (CUDA_DTYPES if device.type == "cuda" else CPU_DTYPES)
     timer = _timer(device)
@@ -84,10 +89,15 @@ def matmul_rates(device: torch.device, sizes=None, dtypes=None, budget_s: float 
             for n in sizes:
                 if time.monotonic() > deadline:
                     break
-                a = torch.randn(n, n, device=device, dtype=dtype)
-                b = torch.randn(n, n, device=device, dtype=dtype)
-                once = timer(lambda a=a, b=b: torch.mm(a, b), 1)
-                seconds = timer(lambda a=a, b=b: torch.mm(a, b), max(1, min(50, int(0.2 / max(once, 1e-6)))))
+                try:
+                    a = torch.randn(n, n, device=device, dtype=dtype)
+                    b = torch.randn(n, n, device=device, dtype=dtype)
+                    once = timer(lambda a=a, b=b: torch.mm(a, b), 1)
+                    seconds = timer(lambda a=a, b=b: torch.mm(a, b), max(1, min(50, int(0.2 / max(once, 1e-6)))))
+                except RuntimeError as exc:  # no kernel for this dtype here, or out of memory at this size
+                    if notes is not None:
+                        notes.append(f"{name} {n}x{n} matmul failed: {str(exc).splitlines()[0][:100]}")
+                    break
                 rates[name] = max(rates.get(name, 0.0), 2.0 * n**3 / seconds)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
@@ -147,10 +157,23 @@ def calibrate(profile, device: torch.device, quick: bool = False,
     """Every figure for `profile` on `device` (`quick`: a small sweep, for tests and a first look)."""
     result = Calibration(profile_id=profile.id, device=_device_name(device))
     sizes = (CUDA_SIZES[:3] if device.type == "cuda" else CPU_SIZES[:2]) if quick else None
+    dtypes = {name: dtype for name, dtype in (CUDA_DTYPES if device.type == "cuda" else CPU_DTYPES).items()
+              if device.type != "cuda" or name in ("fp32", "fp16") or profile.has(name)}
     progress("matmul rates per dtype (a sweep of square GEMMs)...")
-    result.achievable_flops = matmul_rates(device, sizes=sizes, budget_s=20 if quick else 90)
+    rates = matmul_rates(device, sizes=sizes, dtypes=dtypes, budget_s=20 if quick else 90, notes=result.notes)
     progress("copy bandwidth...")
-    result.bandwidth_bytes_s = copy_bandwidth(device, nbytes=(1 << 28) if quick and device.type == "cuda" else None)
+    copy_bytes = (1 << 28) if quick and device.type == "cuda" else (1 << 30 if device.type == "cuda" else 1 << 27)
+    bandwidth = copy_bandwidth(device, nbytes=copy_bytes)
+    # A package of several devices (MI250X: two GCDs) is measured on one; its profile holds the package's
+    # figures (per_device() divides them again).
+    share = profile.devices_per_package
+    result.achievable_flops = {name: rate * share for name, rate in rates.items()}
+    result.bandwidth_bytes_s = bandwidth * share
+    swept = sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
+    result.method = (f"best square GEMM per dtype ({', '.join(map(str, swept))}), "
+                     f"{copy_bytes >> 20} MiB copy, {500 if quick else 2000}-op issue loop"
+                     + (", CUDA-graph kernel floor" if device.type == "cuda" else "")
+                     + (f"; one of {share} devices, figures x{share} for the package" if share > 1 else ""))
     progress("host issue cost per op...")
     result.issue_s = issue_cost(device, ops=500 if quick else 2000)
     result.kernel_s = kernel_floor(device)
@@ -183,8 +206,7 @@ def overlay_document(result: Calibration) -> dict:
         figures["kernel_us"] = round(result.kernel_s * 1e6, 3)
     provenance = {"device": result.device, "torch": torch.__version__, "headroom": git_sha() or "unknown",
                   "host": socket.gethostname(), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                  "method": "headroom calibrate: best square GEMM per dtype, 1 GiB copy, tiny-op issue loop, "
-                            "CUDA-graph kernel floor"}
+                  "method": f"headroom calibrate: {result.method}"}
     if driver:
         provenance["driver"] = driver
     if result.notes:

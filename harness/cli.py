@@ -76,14 +76,14 @@ _SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def _memory_size(text: str) -> int:
-    """Bytes from `16G`, `512M`, `1.5T` or a plain number of bytes; at least 256 MiB (a cell imports
-    torch) and at most 1 PiB."""
+    """Bytes from `16G`, `512M`, `1.5T` or a plain number of bytes; at least 2 GiB (importing torch alone
+    needs about 1 GiB of data segment) and at most 1 PiB."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
     if not match:
         raise argparse.ArgumentTypeError(f"expected a size such as 16G or 512M, got {text!r}")
     value = float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]
-    if not 2**28 <= value <= 2**50:
-        raise argparse.ArgumentTypeError(f"expected a size from 256M to 1024T, got {text!r}")
+    if not 2**31 <= value <= 2**50:
+        raise argparse.ArgumentTypeError(f"expected a size from 2G to 1024T, got {text!r}")
     return int(value)
 
 

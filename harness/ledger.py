@@ -3,9 +3,10 @@
 A versioned CSV ships with the package (`harness/data/ledger.csv`, seeded from the GPU check's twins);
 `headroom run` writes its own twins to `ledger.csv` in its results folder, and `headroom ledger add
 RESULTS...` merges pairs from any machine into a ledger, deduplicated by a hash of the pair and kept
-with its provenance (device, driver, torch, headroom version). A projected row's interval is the
-spread of measured / projected over the pairs of its kind (workload, precision, GPU generation),
-widening to broader kinds where a narrow one has too few pairs, and says what it rests on.
+with its provenance (device, driver, torch, headroom version). A projected row's interval is a
+95% prediction interval of measured / projected over the cells of its kind (workload, precision, GPU
+generation), widening to broader kinds where a narrow one has too few cells, never narrower than
+the speed model's held-out error, and says what it rests on.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ COLUMNS = ["ledger_version", "pair_id", "workload", "size", "mode", "technique",
            "measured_peak_reserved_bytes", "projected_peak_reserved_bytes", "measured_peak_allocated_bytes",
            "projected_peak_allocated_bytes", "step_time_noisy", "device_name", "driver_version", "torch_version",
            "headroom_version", "measured_at", "projected_by", "origin"]
-# A kind needs this many pairs before its own spread is trusted; else the next broader kind is used.
+# A kind needs this many cells before its own spread is trusted; else the next broader kind is used.
 MIN_PAIRS = 3
 # With no pair at all, the interval spans this factor either side of the projection.
 NO_PAIRS_FACTOR = 3.0
@@ -143,13 +144,36 @@ def workload_family(workload: str) -> str:
     return workload.split(":", 1)[0]
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (a standard table; scipy.stats.t.ppf
+# gives the same, tests check it): importing scipy.stats would cost every projection half a second.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+CELL = ["workload", "size", "mode", "technique", "gpu", "batch_size", "seq_len"]
+
+
+def t_975(degrees: int) -> float:
+    """The table's quantile for `degrees`, or the next smaller tabulated one's (wider); 1.96 beyond."""
+    known = [d for d in T_975 if d <= degrees]
+    return T_975[max(known)] if known else T_975[1]
+
+
 def interval(projected: float, ledger: pd.DataFrame, measured_column: str, projected_column: str,
-             workload: str, precision: str | None, generation: str) -> Interval:
-    """The interval around `projected` from the ledger's errors for the closest kind with enough pairs."""
+             workload: str, precision: str | None, generation: str, floor: float = 0.0,
+             other_generations_floor: float | None = None) -> Interval:
+    """The interval around `projected` from the ledger's errors for the closest kind with enough cells.
+
+    Each cell counts once (its repeated pairs, e.g. under other allocator settings, are averaged); the
+    interval is a 95% prediction interval of log(measured / projected) over those cells (Student's t),
+    at least `floor` (a relative error) either side, and at least `other_generations_floor` where the
+    kind's cells are all on other GPU generations."""
     usable = ledger.dropna(subset=[measured_column, projected_column])
     if measured_column == "measured_step_ms":
         usable = usable[~usable["step_time_noisy"].astype(str).isin(["True", "true", "1"])]
+    else:  # a native reserved figure is compared only with twins measured under the native allocator
+        usable = usable[usable["allocator"].isna() | (usable["allocator"] == "native")]
     usable = usable[(pd.to_numeric(usable[measured_column]) > 0) & (pd.to_numeric(usable[projected_column]) > 0)]
+    usable = usable.assign(log_ratio=np.log(pd.to_numeric(usable[measured_column]).to_numpy(float)
+                                            / pd.to_numeric(usable[projected_column]).to_numpy(float)))
     same_family = usable["workload"].map(workload_family) == workload_family(workload)
     same_precision = usable["precision"] == precision
     kinds = [
@@ -157,20 +181,29 @@ def interval(projected: float, ledger: pd.DataFrame, measured_column: str, proje
          same_family & same_precision & (usable["generation"] == generation)),
         (f"{workload_family(workload)} {precision}", same_family & same_precision),
         (f"{precision} on any workload", same_precision),
-        ("every pair", pd.Series(True, index=usable.index)),
+        ("every cell", pd.Series(True, index=usable.index)),
     ]
     for name, chosen in kinds:
         rows = usable[chosen]
-        if len(rows) >= MIN_PAIRS:
-            ratios = np.log(pd.to_numeric(rows[measured_column]).to_numpy(float)
-                            / pd.to_numeric(rows[projected_column]).to_numpy(float))
-            centre, spread = ratios.mean(), ratios.std(ddof=1)
-            # The projection itself stays inside: the pairs' errors say how far off it may be, not that
-            # it cannot be right.
-            low = min(0.0, ratios.min(), centre - SPREAD_SIGMAS * spread)
-            high = max(0.0, ratios.max(), centre + SPREAD_SIGMAS * spread)
-            return Interval(projected * math.exp(low), projected * math.exp(high), len(rows),
-                            f"{len(rows)} pairs ({name})")
+        cells = rows.groupby(CELL, dropna=False)["log_ratio"].mean()
+        if len(cells) < MIN_PAIRS:
+            continue
+        ratios = cells.to_numpy(float)
+        n = len(ratios)
+        half = t_975(n - 1) * ratios.std(ddof=1) * math.sqrt(1 + 1 / n)
+        lowest = math.log1p(floor)
+        generations = set(rows["generation"])
+        note = ""
+        if generation not in generations:
+            note = f", all on {', '.join(sorted(map(str, generations)))}"
+            if other_generations_floor is not None:
+                lowest = max(lowest, math.log1p(other_generations_floor))
+                note += ": widened"
+        centre = ratios.mean()
+        low = min(0.0, centre - max(half, lowest))
+        high = max(0.0, centre + max(half, lowest))
+        return Interval(projected * math.exp(low), projected * math.exp(high), n,
+                        f"{n} cells ({name}{note})")
     return Interval(projected / NO_PAIRS_FACTOR, projected * NO_PAIRS_FACTOR, 0,
                     f"no measured pairs: x1/{NO_PAIRS_FACTOR:g} to x{NO_PAIRS_FACTOR:g}")
 

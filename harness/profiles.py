@@ -275,6 +275,11 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
     )
 
 
+def _at_least(path: Path, name: str, value: float, lowest: float, unit: str) -> None:
+    if value < lowest:
+        raise _fail(path, name, f"a measured figure of at least {lowest:g} {unit}, got {value!r}")
+
+
 def _strings(data: dict, prefix: str = ""):
     """(dotted key, text) for every string in a parsed TOML document, nested tables and lists included."""
     for key, value in data.items():
@@ -380,8 +385,11 @@ def apply_overlay(profiles: dict[str, GpuProfile], path: Path) -> GpuProfile:
     """The profile an overlay names, with its measured figures in place of derated datasheet ones."""
     data = read_toml(path)
     target = data.get("profile")
-    if target not in profiles:
-        raise ProfileError(f"{path}: field 'profile': the id of a loaded profile, got {target!r}")
+    if not isinstance(target, str) or target not in profiles:
+        raise _fail(path, "profile", f"the id of a loaded profile, got {target!r}")
+    for key, value in _strings(data):
+        if any(ord(char) < 32 or 127 <= ord(char) < 160 for char in value):
+            raise _fail(path, key, f"text without control characters, got {value!r}")
     provenance, figures = data.get("calibration"), data.get("figures")
     if not isinstance(provenance, dict) or not all(isinstance(provenance.get(k), str) for k in ("device", "date")):
         raise _fail(path, "calibration", "a table with the device and date it was measured on")
@@ -391,10 +399,20 @@ def apply_overlay(profiles: dict[str, GpuProfile], path: Path) -> GpuProfile:
     if unknown:
         raise _fail(path, f"figures.{sorted(unknown)[0]}", "no such figure; valid: achievable_tflops, "
                                                           "achievable_bandwidth_gb_s, issue_us, kernel_us")
+    if not isinstance(figures.get("achievable_tflops", {}), dict):
+        raise _fail(path, "figures.achievable_tflops", "a table of dtype = TFLOP/s")
     rates = _flops_table(path, "figures.achievable_tflops", figures.get("achievable_tflops", {}))
-    for key in ("achievable_bandwidth_gb_s", "issue_us", "kernel_us"):
+    # Lower bounds too: a measured figure of 1e-300 would make every step take forever, status ok.
+    for dtype, rate in rates.items():
+        _at_least(path, f"figures.achievable_tflops.{dtype}", rate, 1e-4, "TFLOP/s")
+    for key, lowest, unit in (("achievable_bandwidth_gb_s", 0.1, "GB/s"), ("issue_us", 0.01, "us"),
+                              ("kernel_us", 0.01, "us")):
         if key in figures:
-            _positive(path, f"figures.{key}", figures[key], "a positive number")
+            _positive(path, f"figures.{key}", figures[key], f"a positive number of {unit}")
+            _at_least(path, f"figures.{key}", figures[key], lowest, unit)
+    if profiles[target].calibration:
+        raise _fail(path, "profile", f"one overlay per profile, but {target!r} is calibrated by "
+                                     f"{profiles[target].calibration.get('file')} too")
     profile = profiles[target]
     said = f"calibrated on {provenance['device']} ({provenance['date']}, {path.name})"
     return dataclasses.replace(
@@ -403,7 +421,7 @@ def apply_overlay(profiles: dict[str, GpuProfile], path: Path) -> GpuProfile:
         if "achievable_bandwidth_gb_s" in figures else profile.achievable_bandwidth_bytes_s,
         issue_s=figures["issue_us"] / 1e6 if "issue_us" in figures else profile.issue_s,
         kernel_s=figures["kernel_us"] / 1e6 if "kernel_us" in figures else profile.kernel_s,
-        calibration={k: str(v) for k, v in provenance.items()},
+        calibration={k: str(v) for k, v in provenance.items()} | {"file": str(path)},
         sources=profile.sources | {"achievable_tflops": said, "achievable_bandwidth_gb_s": said})
 
 

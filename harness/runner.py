@@ -108,7 +108,10 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
         if result_path.exists():
             return _result_row(cell, result_path, options.run_id)
         status, reason = _crash_reason(process.returncode, stderr, oom_kills_before)
-        if status == "error" and limit and ("MemoryError" in stderr or "can't allocate memory" in stderr):
+        # Out of memory under the limit: Python's MemoryError, PyTorch's CPU allocator, or the dynamic loader
+        # unable to map a library while the cell still imports.
+        if status == "error" and limit and any(sign in stderr for sign in (
+                "MemoryError", "can't allocate memory", "failed to map segment", "cannot allocate memory")):
             status, reason = "oom", f"exceeded --cell-memory {limit / 2**30:,.1f} GiB ({reason})"
         return to_record(cell, failure(status, reason, wall_time_s=time.perf_counter() - started), options.run_id)
 
@@ -144,7 +147,11 @@ def _prepare_child(memory_limit: int | None) -> None:
     if memory_limit:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_DATA, (memory_limit, memory_limit))
+        # The soft limit only, and never above a hard limit already in force (setrlimit would fail, and
+        # an exception here, before exec, would end the run).
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        soft = memory_limit if hard == resource.RLIM_INFINITY else min(memory_limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     if sys.platform.startswith("linux"):
         import ctypes
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -212,11 +213,21 @@ def _unruly(monkeypatch, behaviour: str, **options):
     return run_isolated(cell, RunnerOptions(run_id="t", cell_entry="tests.unruly_cell", **options))
 
 
-def test_a_helper_process_that_outlives_its_cell_costs_it_neither_its_row_nor_the_timeout(monkeypatch):
+def test_a_helper_process_that_outlives_its_cell_costs_it_neither_its_row_nor_the_timeout(monkeypatch, tmp_path):
     # The helper sleeps 120 s holding the cell's stderr: a runner waiting for that pipe to close would
     # reach the 100 s limit and record a timeout. No wall-clock assertion: the status says it.
+    monkeypatch.setenv("UNRULY_PID", str(tmp_path / "helper.pid"))
     record = _unruly(monkeypatch, "helper", cell_timeout_s=100)
     assert record.status == "ok"
+    # And the helper was killed with its cell: SIGKILL was sent; the kernel ends it when it next runs
+    # (dead, or a zombie its new parent has not reaped yet). The wait bounds the kernel, not our speed.
+    state = Path(f"/proc/{(tmp_path / 'helper.pid').read_text()}/stat")
+    for _ in range(100):
+        if not state.exists() or state.read_text().split(")")[-1].split()[0] in ("Z", "X"):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the helper process is still running: {state.read_text()}")
 
 
 def test_a_cells_stderr_is_read_with_a_bound_and_its_last_line_kept(monkeypatch):
@@ -379,3 +390,27 @@ def test_an_interrupted_runner_ends_the_cell_in_flight(tmp_path, monkeypatch):
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # gone, and reaped: not left sleeping with its temporary folder removed
+
+
+def test_a_memory_limit_above_a_hard_limit_in_force_is_capped_not_a_crash():
+    # In a process of its own: a hard limit, once lowered (as `ulimit -d` does), cannot be raised again.
+    import subprocess
+
+    script = (
+        "import os, resource; resource.setrlimit(resource.RLIMIT_DATA, (16 << 30, 16 << 30));"
+        "os.environ['UNRULY'] = 'greedy';"
+        "from harness.cell import Cell; from harness.profiles import load_profiles;"
+        "from harness.runner import RunnerOptions, run_isolated;"
+        "cell = Cell('gpt', 'smoke', 'train', 'baseline', 'cpu', 4, 'measured').resolve(load_profiles());"
+        "print(run_isolated(cell, RunnerOptions(run_id='t', cell_entry='tests.unruly_cell', cell_timeout_s=100,"
+        " cell_memory_bytes=1 << 40)).status)")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    # 3 GiB under the 16 GiB hard limit: setrlimit did not fail before exec, and the cell ran.
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-500:]
+
+
+def test_a_cell_memory_too_small_to_import_torch_is_refused_at_the_door(capsys):
+    assert main(["run", "--cell-memory", "512M"]) == 2
+    assert "expected a size from 2G to 1024T" in capsys.readouterr().err

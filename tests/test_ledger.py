@@ -3,8 +3,10 @@ interval every projected row carries; `headroom calibrate` writing an overlay th
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -52,23 +54,39 @@ def test_merging_the_same_pairs_twice_adds_them_once():
     assert merge(read_ledger(), pairs)[1] == 0
 
 
-def test_an_interval_spans_the_errors_of_the_closest_kind_with_enough_pairs():
-    ledger = _ledger([{"measured_step_ms": m, "projected_step_ms": 10.0} for m in (11.0, 12.0, 13.0)]
-                     + [{"measured_step_ms": 30.0, "projected_step_ms": 10.0, "precision": "fp32"}])
+def test_an_interval_is_a_prediction_interval_over_cells_of_the_closest_kind():
+    cells = [{"size": f"s{i}", "measured_step_ms": m, "projected_step_ms": 10.0} for i, m in enumerate((11., 12., 13.))]
+    repeated = [dict(cells[0], allocator=a) for a in ("expandable_segments", "cudaMallocAsync")]
+    ledger = _ledger(cells + repeated + [{"size": "x", "measured_step_ms": 30.0, "projected_step_ms": 10.0,
+                                           "precision": "fp32"}])
     bar = interval(100.0, ledger, "measured_step_ms", "projected_step_ms", "gpt", "bf16-mixed", "hopper")
-    assert bar.pairs == 3 and "gpt bf16-mixed on hopper" in bar.basis
-    assert 100.0 <= bar.low <= 110.0 and bar.high >= 130.0  # the projection stays inside
-    # A kind with too few pairs widens to a broader one; none at all gives the stated wide default.
-    other = interval(100.0, ledger, "measured_step_ms", "projected_step_ms", "gpt", "bf16-mixed", "ampere")
-    assert other.pairs == 3 and "gpt bf16-mixed" in other.basis and "ampere" not in other.basis
+    assert bar.pairs == 3 and "3 cells (gpt bf16-mixed on hopper)" in bar.basis  # repeats of a cell count once
+    ratios = np.log([1.1, 1.2, 1.3])
+    half = 4.303 * ratios.std(ddof=1) * np.sqrt(1 + 1 / 3)  # Student's t, 2 degrees of freedom
+    assert bar.high == pytest.approx(100 * np.exp(ratios.mean() + half))
+    assert bar.low == pytest.approx(min(100.0, 100 * np.exp(ratios.mean() - half)))  # the projection stays inside
+    # A floor: never narrower than the model's held-out error.
+    floored = interval(100.0, ledger, "measured_step_ms", "projected_step_ms", "gpt", "bf16-mixed", "hopper",
+                       floor=0.5)
+    assert floored.high >= 100 * np.exp(ratios.mean() + np.log(1.5)) - 1e-9
+    # Only other generations: the kind says so and, given one, the cross-generation floor applies.
+    other = interval(100.0, ledger, "measured_step_ms", "projected_step_ms", "gpt", "bf16-mixed", "blackwell",
+                     other_generations_floor=0.8)
+    assert other.pairs == 3 and "all on hopper: widened" in other.basis
+    assert other.low <= 100 / 1.8 + 1e-9 or other.high >= 100 * 1.8
     empty = interval(100.0, ledger.iloc[:0], "measured_step_ms", "projected_step_ms", "gpt", "fp32", "hopper")
     assert (empty.low, empty.high, empty.pairs) == (100.0 / NO_PAIRS_FACTOR, 100.0 * NO_PAIRS_FACTOR, 0)
     assert "no measured pairs" in empty.basis
 
 
-def test_noisy_twins_give_no_step_time_error():
-    ledger = _ledger([{"measured_step_ms": 50.0, "projected_step_ms": 10.0, "step_time_noisy": True}] * 3)
-    assert interval(10.0, ledger, "measured_step_ms", "projected_step_ms", "gpt", "bf16-mixed", "hopper").pairs == 0
+def test_the_t_table_matches_scipy():
+    from scipy.stats import t
+
+    from harness.ledger import T_975, t_975
+
+    for degrees, value in T_975.items():
+        assert value == pytest.approx(t.ppf(0.975, degrees), abs=1e-3)
+    assert t_975(11) == T_975[10] >= t.ppf(0.975, 11)  # between rows: the wider one
 
 
 def test_every_projected_row_carries_its_interval_and_what_it_rests_on():
@@ -76,7 +94,8 @@ def test_every_projected_row_carries_its_interval_and_what_it_rests_on():
     row = to_record(cell, project_outcome(cell), "t")
     assert row.step_time_ms_low <= row.step_time_ms_p50 <= row.step_time_ms_high
     assert row.peak_reserved_low_bytes <= row.peak_reserved_bytes <= row.peak_reserved_high_bytes
-    assert row.step_time_pairs >= 3 and "gpt bf16-mixed on hopper" in row.interval_basis
+    # gpt bf16 on hopper has 2 measured cells (train and infer at b8): the next broader kind with 3 is used.
+    assert row.step_time_pairs >= 3 and "step time: 6 cells (bf16-mixed on any workload)" in row.interval_basis
     # AMD's speed constants were never fitted: its interval is the wide default, and the row says so.
     amd = Cell("bert", "smoke", "train", "baseline", "mi300x", 4, "projected").resolve(PROFILES)
     amd_row = to_record(amd, project_outcome(amd), "t")
@@ -136,3 +155,43 @@ def test_an_overlay_for_no_loaded_profile_is_refused_naming_the_file(tmp_path):
 
 def test_the_package_ledger_is_the_default_target():
     assert LEDGER_FILE.name == "ledger.csv" and LEDGER_FILE.parent.name == "data"
+
+
+@pytest.mark.parametrize("figures, phrase", [
+    ('profile = ["cpu"]\n[calibration]\ndevice = "d"\ndate = "now"\n[figures]\n', "field 'profile'"),
+    ('profile = "cpu"\n[calibration]\ndevice = "d"\ndate = "now"\n[figures]\nachievable_tflops = 5\n',
+     "figures.achievable_tflops"),
+    ('profile = "cpu"\n[calibration]\ndevice = "d\\u001b[2J"\ndate = "now"\n[figures]\n', "control characters"),
+    ('profile = "cpu"\n[calibration]\ndevice = "d"\ndate = "now"\n[figures]\nachievable_bandwidth_gb_s = 1e-300\n',
+     "at least 0.1 GB/s"),
+])
+def test_a_malformed_overlay_is_one_line_naming_file_and_field(tmp_path, figures, phrase):
+    (tmp_path / "cpu.overlay.toml").write_text(figures)
+    with pytest.raises(ProfileError, match=re.escape(phrase)) as caught:
+        load_profiles(tmp_path)
+    assert "cpu.overlay.toml" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_two_overlays_for_one_profile_are_refused(tmp_path):
+    text = 'profile = "cpu"\n[calibration]\ndevice = "d"\ndate = "now"\n[figures]\nissue_us = 3.0\n'
+    (tmp_path / "a.overlay.toml").write_text(text)
+    (tmp_path / "b.overlay.toml").write_text(text)
+    with pytest.raises(ProfileError, match="one overlay per profile"):
+        load_profiles(tmp_path)
+
+
+def test_a_fitted_vendor_takes_calibrated_matmul_rates_but_keeps_its_fitted_per_op_constants(tmp_path):
+    from harness.project.speed_constants import constants_for
+
+    (tmp_path / "h200.overlay.toml").write_text(
+        'profile = "h200"\n[calibration]\ndevice = "NVIDIA H200"\ndate = "now"\n[figures]\n'
+        'achievable_tflops = { bf16 = 700.0 }\nachievable_bandwidth_gb_s = 4000.0\nissue_us = 10.0\nkernel_us = 2.0\n')
+    calibrated = load_profiles(tmp_path)["h200"]
+    assert calibrated.achievable_flops["bf16"] == 700e12
+    fitted = constants_for(PROFILES["h200"])
+    assert constants_for(calibrated) == fitted  # the fitted issue/kernel constants stay
+    cell = Cell("gpt", "gpt2-124m", "train", "amp-bf16", "h200", 8, "projected")
+    resolved = cell.resolve(load_profiles(tmp_path))
+    slower = to_record(resolved, project_outcome(resolved), "t")
+    plain = to_record(cell.resolve(PROFILES), project_outcome(cell.resolve(PROFILES)), "t")
+    assert slower.step_time_ms_p50 > plain.step_time_ms_p50  # 700 < 794.5 TFLOP/s measured by MAMF

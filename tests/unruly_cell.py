@@ -1,7 +1,8 @@
 """A cell entry point that misbehaves in ways a runner must survive, chosen by the UNRULY environment
 variable; it imports neither torch nor the harness, so it starts in milliseconds.
 
-helper: starts a process that outlives the cell holding its stderr, writes its row, exits.
+helper: starts a process that outlives the cell holding its stderr (its pid to UNRULY_PID), writes its
+        row, exits.
 chatty: writes megabytes to stderr, then one last line, and exits without a row.
 greedy: allocates more memory than the runner's --cell-memory allows.
 newer:  writes a row with a field this runner does not know (a checkout updated mid-run).
@@ -26,7 +27,9 @@ def main(argv):
     spec, result = json.loads(Path(argv[0]).read_text()), Path(argv[1])
     behaviour = os.environ["UNRULY"]
     if behaviour == "helper":
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stderr=sys.stderr)
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stderr=sys.stderr)
+        if "UNRULY_PID" in os.environ:
+            Path(os.environ["UNRULY_PID"]).write_text(str(helper.pid))
         result.write_text(json.dumps(_row(spec)))
     elif behaviour == "chatty":
         for _ in range(5000):

@@ -29,6 +29,7 @@ from harness.project.search import (
     max_batch,
     smallest_batch,
 )
+from harness.project.speed_constants import fit_provenance
 from harness.project.trace import StepTrace, traced
 from suites.techniques import Unsupported
 
@@ -77,7 +78,12 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
     basis = []
     if step is not None and status == "ok":
         # One projected step time: median, mean and the throughput all come from it.
+        fit = fit_provenance()
+        # Never narrower than the fit's held-out median error; from other GPU generations only, never
+        # narrower than its held-out worst (the bias across generations is what the fit saw least of).
         bar = interval(step.step_s * 1e3, measured_column="measured_step_ms", projected_column="projected_step_ms",
+                       floor=fit.get("held_out_median_abs_error", 0.0),
+                       other_generations_floor=fit.get("held_out_worst_abs_error", 1.0),
                        **kind) if step.fitted else unfitted_interval(step.step_s * 1e3)
         basis.append(f"step time: {bar.basis}")
         speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, step_time_ms_mean=step.step_s * 1e3,

@@ -91,8 +91,8 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
     if derated:
         notes.append(f"no measured matmul rate for {', '.join(derated)} on {profile.id}: "
                      "datasheet derated by generation")
-    if profile.achievable_bandwidth_bytes_s is None and profile.memory_bandwidth_bytes_s:
-        notes.append(f"no measured bandwidth on {profile.id}: datasheet derated")
+    if profile.memory_bandwidth_bytes_s:
+        notes.append(f"bandwidth of {profile.id}: datasheet derated by a fitted or prior efficiency")
 
     def column(values, dtype=float) -> np.ndarray:
         return np.array(values, dtype=dtype)
@@ -112,7 +112,10 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
 def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     """The model itself: step seconds of `ops` under `constants`; None when a peak or bandwidth is unknown."""
     gpu, host = constants.gpu, constants.host
-    bandwidth = ops.achievable_bandwidth or (ops.bandwidth * gpu.bandwidth_efficiency if ops.bandwidth else None)
+    # A fitted vendor's bandwidth efficiency was fitted against datasheet bandwidth (it absorbs what the
+    # trace's byte counts miss), so a measured copy rate is used only where nothing was fitted.
+    measured = ops.achievable_bandwidth if not gpu.fitted else None
+    bandwidth = measured or (ops.bandwidth * gpu.bandwidth_efficiency if ops.bandwidth else None)
     rate = np.where(np.isnan(ops.achievable), ops.datasheet * gpu.matmul_derating, ops.achievable)
     has_flops = ops.flops > 0
     if not bandwidth or np.isnan(rate[has_flops]).any():

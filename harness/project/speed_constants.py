@@ -82,8 +82,8 @@ def _gpu(table: dict) -> dict:
 
 
 def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path = FIT_FILE) -> SpeedConstants:
-    """The constants for `profile`'s vendor and generation, with a calibrated profile's own measured
-    kernel floor and issue cost in place of the fitted ones."""
+    """The constants for `profile`'s vendor and generation; for a vendor nobody fitted, a calibrated
+    profile's measured kernel floor and issue cost replace the priors."""
     data = _tables(path, fitted)
     vendor_table = data["gpu"].get(profile.vendor, data["gpu"]["default"])
     values = _gpu(data["gpu"]["default"]) | _gpu(vendor_table)
@@ -94,6 +94,11 @@ def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path = FIT_FILE)
         key = f"{profile.vendor}.{profile.generation}"
     gpu = GpuConstants(**values)
     host = HostConstants(**data["host"])
+    if gpu.fitted:
+        # A fitted vendor's kernel and issue constants absorb costs the model does not itemise (they
+        # were fitted together with the bandwidth efficiency): a calibration's raw figures would not
+        # mean the same and are kept in its overlay only (refit to use them).
+        return SpeedConstants(gpu=gpu, host=host, key=key)
     if profile.kernel_s is not None:
         gpu = replace(gpu, kernel_s=profile.kernel_s)
     if profile.issue_s is not None:
