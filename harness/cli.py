@@ -248,7 +248,7 @@ def cmd_run(args) -> int:
     from harness.plan import plan_run
     from harness.profiles import detect_local, resolve_gpus
     from harness.records import DEFAULT_NOISE_THRESHOLD, ResultsStore, new_run_id
-    from harness.runner import DEFAULT_CELL_TIMEOUT_S, RunnerOptions, default_cell_memory, run_plan
+    from harness.runner import DEFAULT_CELL_TIMEOUT_S, RunnerOptions, default_cell_memory, interrupt, run_plan
 
     if args.retry_failed and not args.resume:
         raise UsageError("--retry-failed reruns the failed cells of an earlier run: give it with --resume")
@@ -292,9 +292,10 @@ def cmd_run(args) -> int:
                          if record.noisy else ""))
         console.print(f"[{index}/{total} {elapsed:5.0f}s] {cell.describe()}: {record.status}  {detail}")
 
-    # SIGTERM and SIGHUP end the run as Ctrl-C does: finished cells stay saved and --resume goes on.
-    for name in ("SIGTERM", "SIGHUP"):
-        signal.signal(getattr(signal, name), _interrupt)
+    # SIGTERM and SIGHUP end the run as Ctrl-C does: finished cells stay saved and --resume goes on (the
+    # runner defers them while it traces in-process, where an exception inside autograd would abort).
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), interrupt)
     records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume,
                        retry_failed=args.retry_failed)
     frame = store.write_frame()
@@ -326,10 +327,6 @@ def _speed(name: str):
         return getattr(cli_speed, name)(args)
 
     return command
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def cmd_project(args) -> int:

@@ -163,12 +163,14 @@ def _fail(path: Path, field_name: str, expected: str) -> ProfileError:
 # Upper bounds far above any device (a million TFLOP/s, GiB, GB/s...): a larger figure is a typo or
 # hostile, and one like 1e308 would overflow to inf once scaled to FLOP/s or bytes (MFU 0, cost 0).
 MAX_FIGURE = 1e6
+MIN_FIGURE = 1e-6
 MAX_PROFILE_BYTES = 1 << 20  # a profile is a page of TOML; anything larger is not one
 
 
 def _positive(path: Path, name: str, value: Any, expected: str, upper: float = MAX_FIGURE) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= upper:
-        raise _fail(path, name, f"{expected} (above 0 and at most {upper:g}), got {value!r}")
+    # At least MIN_FIGURE too: 1e-261 GiB is positive but rounds to 0 bytes once scaled.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_FIGURE <= value <= upper:
+        raise _fail(path, name, f"{expected} (from {MIN_FIGURE:g} to {upper:g}), got {value!r}")
     return value
 
 

@@ -7,6 +7,7 @@ run loses at most the cell in flight, and `--resume` skips the cells already rec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,6 +50,35 @@ class RunnerOptions:
     # Most memory a cell measured on the host CPU may take (its data segment: heap and anonymous
     # mappings, RLIMIT_DATA); None: no limit.
     cell_memory_bytes: int | None = None
+
+
+# Whether the runner is tracing in-process, and whether an interrupt arrived meanwhile.
+_deferring = False
+_pending = False
+
+
+def interrupt(signum, frame) -> None:
+    """The run's handler for Ctrl-C, SIGTERM and SIGHUP: end the run as KeyboardInterrupt does, except in the
+    middle of an in-process trace, where a Python exception raised inside autograd's C++ (a MemTracker
+    hook) aborts the whole process; there it takes effect as soon as the trace ends."""
+    global _pending
+    if _deferring:
+        _pending = True
+        return
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    global _deferring, _pending
+    _deferring = True
+    try:
+        yield
+    finally:
+        _deferring = False
+        if _pending:
+            _pending = False
+            raise KeyboardInterrupt
 
 
 def available_memory() -> int:
@@ -229,8 +259,11 @@ def run_cell(cell: Cell, profiles: dict[str, GpuProfile], options: RunnerOptions
     if resolved.unsupported:
         return to_record(resolved, failure("unsupported", resolved.unsupported), options.run_id)
     if cell.source == "projected":
-        return to_record(resolved, project_outcome(resolved), options.run_id)
-    too_big = _preflight(resolved, options)
+        with _interrupts_deferred():
+            outcome = project_outcome(resolved)
+        return to_record(resolved, outcome, options.run_id)
+    with _interrupts_deferred():
+        too_big = _preflight(resolved, options)
     if too_big:
         return to_record(resolved, failure("oom", too_big), options.run_id)
     return run_isolated(resolved, options)
