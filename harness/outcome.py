@@ -45,7 +45,7 @@ class MemoryFigures:
     allocator: str | None = None  # measured CUDA only: the setting the process ran under
     peak_reserved_low: int | None = None  # projected only: the ledger's interval
     peak_reserved_high: int | None = None
-    peak_reserved_pairs: int | None = None
+    peak_reserved_cells: int | None = None
 
 
 @dataclass
@@ -61,7 +61,7 @@ class SpeedFigures:
     timed_steps: int | None = None
     step_time_ms_low: float | None = None  # projected only: the ledger's interval
     step_time_ms_high: float | None = None
-    step_time_pairs: int | None = None
+    step_time_cells: int | None = None
 
 
 @dataclass
@@ -139,7 +139,7 @@ def _memory_columns(memory: MemoryFigures) -> dict:
         activations_bytes=memory.activations, temporaries_bytes=memory.temporaries, param_count=memory.param_count,
         process_peak_rss_bytes=memory.process_peak_rss, alloc_retries=memory.alloc_retries,
         allocator=memory.allocator, peak_reserved_low_bytes=memory.peak_reserved_low,
-        peak_reserved_high_bytes=memory.peak_reserved_high, peak_reserved_pairs=memory.peak_reserved_pairs)
+        peak_reserved_high_bytes=memory.peak_reserved_high, peak_reserved_cells=memory.peak_reserved_cells)
 
 
 def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: float | None) -> dict:
@@ -154,7 +154,7 @@ def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: f
                 step_time_ms_mean=speed.step_time_ms_mean,
                 step_time_cv=speed.step_time_cv, noisy=speed.noisy, timed_steps=speed.timed_steps,
                 step_time_ms_low=speed.step_time_ms_low, step_time_ms_high=speed.step_time_ms_high,
-                step_time_pairs=speed.step_time_pairs,
+                step_time_cells=speed.step_time_cells,
                 throughput_samples_s=speed.throughput_samples_s, **derived)
 
 

@@ -90,13 +90,13 @@ class Record:
     flops_per_step: float | None = None
     mfu: float | None = None
     # projected rows: the range the true value is expected in, from the ledger's errors for cells of
-    # this kind (harness/ledger.py), how many pairs it rests on, and which kind it used
+    # this kind (harness/ledger.py), how many measured cells it rests on, and which kind it used
     step_time_ms_low: float | None = None
     step_time_ms_high: float | None = None
-    step_time_pairs: int | None = None
+    step_time_cells: int | None = None
     peak_reserved_low_bytes: int | None = None
     peak_reserved_high_bytes: int | None = None
-    peak_reserved_pairs: int | None = None
+    peak_reserved_cells: int | None = None
     interval_basis: str | None = None
     # projection checked against its measured twin (same cell on the local device): projected / measured - 1
     peak_error_vs_measured: float | None = None
@@ -228,8 +228,8 @@ def _v5_to_v6(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _v6_to_v7(frame: pd.DataFrame) -> pd.DataFrame:
     """Schema 7 added the projected rows' intervals; rows written before had none (unknown, not zero)."""
-    for column in ("step_time_ms_low", "step_time_ms_high", "step_time_pairs", "peak_reserved_low_bytes",
-                   "peak_reserved_high_bytes", "peak_reserved_pairs", "interval_basis"):
+    for column in ("step_time_ms_low", "step_time_ms_high", "step_time_cells", "peak_reserved_low_bytes",
+                   "peak_reserved_high_bytes", "peak_reserved_cells", "interval_basis"):
         frame[column] = None
     frame["schema_version"] = 7
     return frame

@@ -74,16 +74,16 @@ def _ranges(frame: pd.DataFrame) -> pd.DataFrame:
     def text(low, high, pairs, formatter):
         if fmt.missing(low) or fmt.missing(high):
             return None
-        return f"{formatter(low)} - {formatter(high)} ({0 if fmt.missing(pairs) else int(pairs)} pairs)"
+        return f"{formatter(low)} - {formatter(high)} ({0 if fmt.missing(pairs) else int(pairs)} cells)"
 
     def column(name):
         return frame[name] if name in frame else pd.Series([None] * len(frame), index=frame.index)
 
     return frame.assign(
         step_time_range=[text(lo, hi, n, lambda v: fmt.number(v, 2)) for lo, hi, n in zip(
-            column("step_time_ms_low"), column("step_time_ms_high"), column("step_time_pairs"), strict=True)],
+            column("step_time_ms_low"), column("step_time_ms_high"), column("step_time_cells"), strict=True)],
         peak_reserved_range=[text(lo, hi, n, fmt.bytes_) for lo, hi, n in zip(
-            column("peak_reserved_low_bytes"), column("peak_reserved_high_bytes"), column("peak_reserved_pairs"),
+            column("peak_reserved_low_bytes"), column("peak_reserved_high_bytes"), column("peak_reserved_cells"),
             strict=True)])
 
 

@@ -95,11 +95,11 @@ def test_every_projected_row_carries_its_interval_and_what_it_rests_on():
     assert row.step_time_ms_low <= row.step_time_ms_p50 <= row.step_time_ms_high
     assert row.peak_reserved_low_bytes <= row.peak_reserved_bytes <= row.peak_reserved_high_bytes
     # gpt bf16 on hopper has 2 measured cells (train and infer at b8): the next broader kind with 3 is used.
-    assert row.step_time_pairs >= 3 and "step time: 6 cells (bf16-mixed on any workload)" in row.interval_basis
+    assert row.step_time_cells >= 3 and "step time: 6 cells (bf16-mixed on any workload)" in row.interval_basis
     # AMD's speed constants were never fitted: its interval is the wide default, and the row says so.
     amd = Cell("bert", "smoke", "train", "baseline", "mi300x", 4, "projected").resolve(PROFILES)
     amd_row = to_record(amd, project_outcome(amd), "t")
-    assert amd_row.step_time_pairs == 0 and "not fitted for this vendor" in amd_row.interval_basis
+    assert amd_row.step_time_cells == 0 and "not fitted for this vendor" in amd_row.interval_basis
     assert amd_row.step_time_ms_high == pytest.approx(9 * amd_row.step_time_ms_low)
 
 
