@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from harness.records import atomic_write
-from harness.twins import twin_pairs
+from harness.twins import projected_reserved, twin_pairs
 
 LEDGER_FILE = Path(__file__).resolve().parent / "data" / "ledger.csv"
 LEDGER_VERSION = 1
@@ -65,7 +65,7 @@ def pairs_from_rows(rows: list[dict], generations: dict[str, str], origin: str) 
             "measured_step_ms": _value(measured.get("step_time_ms_p50")),
             "projected_step_ms": _value(projected.get("step_time_ms_p50")),
             "measured_peak_reserved_bytes": _value(measured.get("peak_reserved_bytes")),
-            "projected_peak_reserved_bytes": _value(_reserved_for(projected, measured)),
+            "projected_peak_reserved_bytes": _value(projected_reserved(projected, measured)),
             "measured_peak_allocated_bytes": _value(measured.get("peak_allocated_bytes")),
             "projected_peak_allocated_bytes": _value(projected.get("peak_allocated_bytes")),
             "step_time_noisy": measured.get("noisy") is True or measured.get("noisy") == "True",
@@ -93,12 +93,6 @@ def pairs_from(path: Path, profiles: dict) -> pd.DataFrame:
     from harness.records import read_results
 
     return pairs_from_frame(read_results(path), profiles, origin=str(path))
-
-
-def _reserved_for(projected: dict, measured: dict):
-    from harness.twins import projected_reserved
-
-    return projected_reserved(projected, measured)
 
 
 def read_ledger(path: Path = LEDGER_FILE) -> pd.DataFrame:
@@ -135,7 +129,7 @@ class Interval:
 
     low: float
     high: float
-    pairs: int
+    cells: int  # measured cells it rests on (0: the wide default)
     basis: str
 
 

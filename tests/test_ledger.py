@@ -60,7 +60,7 @@ def test_an_interval_is_a_prediction_interval_over_cells_of_the_closest_kind():
     ledger = _ledger(cells + repeated + [{"size": "x", "measured_step_ms": 30.0, "projected_step_ms": 10.0,
                                            "precision": "fp32"}])
     bar = interval(100.0, ledger, "measured_step_ms", "projected_step_ms", "gpt", "bf16-mixed", "hopper")
-    assert bar.pairs == 3 and "3 cells (gpt bf16-mixed on hopper)" in bar.basis  # repeats of a cell count once
+    assert bar.cells == 3 and "3 cells (gpt bf16-mixed on hopper)" in bar.basis  # repeats of a cell count once
     ratios = np.log([1.1, 1.2, 1.3])
     half = 4.303 * ratios.std(ddof=1) * np.sqrt(1 + 1 / 3)  # Student's t, 2 degrees of freedom
     assert bar.high == pytest.approx(100 * np.exp(ratios.mean() + half))
@@ -72,10 +72,10 @@ def test_an_interval_is_a_prediction_interval_over_cells_of_the_closest_kind():
     # Only other generations: the kind says so and, given one, the cross-generation floor applies.
     other = interval(100.0, ledger, "measured_step_ms", "projected_step_ms", "gpt", "bf16-mixed", "blackwell",
                      other_generations_floor=0.8)
-    assert other.pairs == 3 and "all on hopper: widened" in other.basis
+    assert other.cells == 3 and "all on hopper: widened" in other.basis
     assert other.low <= 100 / 1.8 + 1e-9 or other.high >= 100 * 1.8
     empty = interval(100.0, ledger.iloc[:0], "measured_step_ms", "projected_step_ms", "gpt", "fp32", "hopper")
-    assert (empty.low, empty.high, empty.pairs) == (100.0 / NO_PAIRS_FACTOR, 100.0 * NO_PAIRS_FACTOR, 0)
+    assert (empty.low, empty.high, empty.cells) == (100.0 / NO_PAIRS_FACTOR, 100.0 * NO_PAIRS_FACTOR, 0)
     assert "no measured pairs" in empty.basis
 
 

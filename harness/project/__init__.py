@@ -88,7 +88,7 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         basis.append(f"step time: {bar.basis}")
         speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, step_time_ms_mean=step.step_s * 1e3,
                              throughput_samples_s=cell.batch_size / step.step_s, step_time_ms_low=bar.low,
-                             step_time_ms_high=bar.high, step_time_cells=bar.pairs)
+                             step_time_ms_high=bar.high, step_time_cells=bar.cells)
     reserved = memory.reserved.get("native")
     reserved_bar = None
     if reserved:
@@ -105,7 +105,7 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         temporaries=memory.temporaries, param_count=projection.trace.param_count,
         peak_reserved_low=round(reserved_bar.low) if reserved_bar else None,
         peak_reserved_high=round(reserved_bar.high) if reserved_bar else None,
-        peak_reserved_cells=reserved_bar.pairs if reserved_bar else None)
+        peak_reserved_cells=reserved_bar.cells if reserved_bar else None)
     return Outcome(status=status, reason=reason, precision=projection.trace.precision, memory=figures, speed=speed,
                    fits=memory.fits, device_name=cell.profile.name, wall_time_s=time.perf_counter() - started,
                    notes=memory.notes, interval_basis="; ".join(basis) or None)
