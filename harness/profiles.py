@@ -188,10 +188,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
             raise _fail(path, key, f"{expected}, got {value!r}")
         if isinstance(value, str) and not value.strip():
             raise _fail(path, key, f"{expected}, got an empty string")
-    for key, value in _strings(data):
-        # Names are printed to terminals: an escape sequence in one would redraw the user's screen.
-        if any(ord(char) < 32 or 127 <= ord(char) < 160 for char in value):
-            raise _fail(path, key, f"text without control characters, got {value!r}")
+    _refuse_control_characters(path, data)
     if data["id"] != path.stem:
         raise _fail(path, "id", f"the file name's stem {path.stem!r}, got {data['id']!r}")
     for key in ("id", "family"):
@@ -280,6 +277,13 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
 def _at_least(path: Path, name: str, value: float, lowest: float, unit: str) -> None:
     if value < lowest:
         raise _fail(path, name, f"a measured figure of at least {lowest:g} {unit}, got {value!r}")
+
+
+def _refuse_control_characters(path: Path, data: dict) -> None:
+    """Names are printed to terminals: an escape sequence in one would redraw the user's screen."""
+    for key, value in _strings(data):
+        if any(ord(char) < 32 or 127 <= ord(char) < 160 for char in value):
+            raise _fail(path, key, f"text without control characters, got {value!r}")
 
 
 def _strings(data: dict, prefix: str = ""):
@@ -389,9 +393,7 @@ def apply_overlay(profiles: dict[str, GpuProfile], path: Path) -> GpuProfile:
     target = data.get("profile")
     if not isinstance(target, str) or target not in profiles:
         raise _fail(path, "profile", f"the id of a loaded profile, got {target!r}")
-    for key, value in _strings(data):
-        if any(ord(char) < 32 or 127 <= ord(char) < 160 for char in value):
-            raise _fail(path, key, f"text without control characters, got {value!r}")
+    _refuse_control_characters(path, data)
     provenance, figures = data.get("calibration"), data.get("figures")
     if not isinstance(provenance, dict) or not all(isinstance(provenance.get(k), str) for k in ("device", "date")):
         raise _fail(path, "calibration", "a table with the device and date it was measured on")

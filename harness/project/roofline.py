@@ -5,7 +5,8 @@ time and the host's issue time of each step phase are combined.
   datasheet derated by generation), times its class's efficiency (convolutions, fused attention), on a
   saturation curve: a GEMM of f FLOPs runs at rate * f / (f + f_half), f_half growing with the SM
   count (small GEMMs leave SMs idle), so it takes (f + f_half) / rate.
-- Memory: bytes read + written at the achievable bandwidth. An op takes the longer of the two, plus a
+- Memory: bytes read + written at the datasheet bandwidth times a fitted efficiency (a measured copy rate
+  replaces it only where the vendor's constants were never fitted). An op takes the longer of the two, plus a
   fixed cost per kernel it launches (launch, tail; a foreach op launches one per chunk of tensors). A
   16-bit GEMM with a dimension off the tensor-core granule runs at a fraction of the rate.
 - Host: eager PyTorch spends microseconds per op (Python, dispatcher, autograd), by who issues it
@@ -91,8 +92,6 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
     if derated:
         notes.append(f"no measured matmul rate for {', '.join(derated)} on {profile.id}: "
                      "datasheet derated by generation")
-    if profile.memory_bandwidth_bytes_s:
-        notes.append(f"bandwidth of {profile.id}: datasheet derated by a fitted or prior efficiency")
 
     def column(values, dtype=float) -> np.ndarray:
         return np.array(values, dtype=dtype)
@@ -116,6 +115,10 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     # trace's byte counts miss), so a measured copy rate is used only where nothing was fitted.
     measured = ops.achievable_bandwidth if not gpu.fitted else None
     bandwidth = measured or (ops.bandwidth * gpu.bandwidth_efficiency if ops.bandwidth else None)
+    notes = list(ops.notes)
+    if not measured and bandwidth:
+        notes.append(f"bandwidth: datasheet derated by the {'fitted' if gpu.fitted else 'prior'} efficiency "
+                     f"{gpu.bandwidth_efficiency:.2f}")
     rate = np.where(np.isnan(ops.achievable), ops.datasheet * gpu.matmul_derating, ops.achievable)
     has_flops = ops.flops > 0
     if not bandwidth or np.isnan(rate[has_flops]).any():
@@ -137,7 +140,6 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
         if k or i:
             step += (k**p + i**p) ** (1 / p)
     compute_bound = compute >= memory
-    notes = list(ops.notes)
     if not gpu.fitted:
         notes.append(f"speed constants for {constants.key} not fitted on any measurement (priors)")
     return TimeEstimate(
