@@ -34,6 +34,9 @@ class Cell:
     gpu: str
     batch_size: int
     source: str = "measured"  # or "projected": computed from a trace, no device needed
+    # A served decoder's prompt and generated tokens per sequence (None: the size's defaults)
+    prompt_len: int | None = None
+    gen_len: int | None = None
 
     @property
     def cell_id(self) -> str:
@@ -41,6 +44,8 @@ class Cell:
         characters replaced, or that is long (a user model's path), ends in a hash of the whole, so it
         stays unique and fits a file name (255 bytes, with the store's temp-file prefix and suffix)."""
         raw = f"{self.workload}__{self.size}__{self.mode}__{self.technique}__{self.gpu}__b{self.batch_size}"
+        if self.prompt_len is not None or self.gen_len is not None:
+            raw += f"__p{self.prompt_len or ''}g{self.gen_len or ''}"
         if self.source != "measured":
             raw += f"__{self.source}"
         safe = re.sub(r"[^A-Za-z0-9_.+-]", "_", raw)
@@ -54,8 +59,10 @@ class Cell:
         return asdict(self)
 
     def describe(self) -> str:
-        return (f"{self.workload} {self.size} {self.mode} {self.technique} on {self.gpu} (batch {self.batch_size})"
-                f"{' [projected]' if self.source == 'projected' else ''}")
+        served = "".join(f", {name} {value}" for name, value in (("prompt", self.prompt_len), ("gen", self.gen_len))
+                         if value is not None)
+        return (f"{self.workload} {self.size} {self.mode} {self.technique} on {self.gpu} (batch {self.batch_size}"
+                f"{served}){' [projected]' if self.source == 'projected' else ''}")
 
     def resolve(self, profiles: dict[str, GpuProfile], spec: SizeSpec | None = None) -> ResolvedCell:
         """Look every name up once; ValueError (one line) for an unknown one. `spec` replaces the
@@ -66,11 +73,40 @@ class Cell:
             raise ValueError(unknown_name("GPU profile id", self.gpu, sorted(profiles)))
         workload = get_workload(self.workload)
         spec = spec or (workload.size(self.size) if self.size else workload.default_size())
+        if self.mode == "infer":
+            spec = served_spec(workload, spec, self.prompt_len, self.gen_len)
+        elif self.prompt_len is not None or self.gen_len is not None:
+            raise ValueError("--prompt-len and --gen-len describe generation: they need --mode infer")
         stack = parse_stack(self.technique)
         profile = profiles[self.gpu]
         # The names as the row records them: the stack's canonical spelling, the workload's own name.
         named = dataclasses.replace(self, technique=stack.name, workload=workload.name, size=spec.name)
         return ResolvedCell(named, workload, spec, stack, profile, stack.check(profile, workload, self.mode))
+
+
+def served_spec(workload: Workload, spec: SizeSpec, prompt_len: int | None = None,
+                gen_len: int | None = None) -> SizeSpec:
+    """`spec` as an inference cell runs it: a served decoder's prompt and generated tokens (the size's
+    defaults, Workload.served, unless given), checked against its longest sequence; ValueError (one
+    line) for lengths it cannot take, or for a workload that is not served token by token."""
+    if workload.serving is None:
+        if prompt_len is not None or gen_len is not None:
+            raise ValueError(f"--prompt-len and --gen-len apply to decoders served token by token; {workload.name} "
+                             "runs inference as one forward pass")
+        return spec
+    if spec.gen_len is not None and prompt_len is None and gen_len is None:
+        return spec  # already served (a depth-extrapolated or searched copy)
+    default = workload.served(dataclasses.replace(spec, gen_len=None))
+    prompt = prompt_len if prompt_len is not None else default.seq_len
+    generated = gen_len if gen_len is not None else default.gen_len
+    if prompt < 1 or generated < 2:
+        raise ValueError(f"--prompt-len must be >= 1 and --gen-len >= 2 (the first token comes from the prompt, the "
+                         f"rest from the cache), got {prompt} and {generated}")
+    limit = workload.max_seq_len(spec)
+    if limit is not None and prompt + generated > limit:
+        raise ValueError(f"prompt {prompt} + generated {generated} tokens exceed {spec.name}'s longest sequence "
+                         f"{limit}: shorten --prompt-len or --gen-len")
+    return dataclasses.replace(spec, seq_len=prompt, gen_len=generated)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,15 @@ def _folder(text: str) -> Path:
     return Path(text)
 
 
+def _add_generation_flags(parser) -> None:
+    parser.add_argument("--prompt-len", type=_count, default=None,
+                        help="serving (--mode infer of gpt): prompt tokens prefilled into the KV cache "
+                             "(default: the size's sequence less the generated tokens)")
+    parser.add_argument("--gen-len", type=_count, default=None,
+                        help="serving: tokens generated per sequence, decoded one at a time (default 128, at most "
+                             "an eighth of the size's sequence)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="headroom", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -121,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--scale", default=None, help="smoke|standard|large (default: smoke on CPU, standard on GPU)")
     run.add_argument("--mode", type=_csv, default=["train", "infer"], help="train, infer or both (default)")
     run.add_argument("--batch-size", type=_count, default=None, help="override every size's default batch")
+    _add_generation_flags(run)
     run.add_argument("--out", type=_folder, default=None, help="results folder (default: results/<run-id>)")
     run.add_argument("--cell-timeout", type=_seconds, default=None, metavar="S", help="seconds per cell (default 600)")
     run.add_argument("--warmup", type=int, default=2)
@@ -149,10 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
     batch = project.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=_count, default=None)
     batch.add_argument("--max-batch", action="store_true", help="solve for the largest batch that fits")
+    project.add_argument("--max-context", action="store_true",
+                       help="serving (--mode infer, gpt): solve for the longest prompt that fits at --batch-size")
     project.add_argument("--seq-len", type=_count, default=None, help="tokens per sample (language models)")
+    _add_generation_flags(project)
     project.add_argument("--largest-model", action="store_true",
                          help="instead: the largest size of --workload that fits --gpu at its smallest batch")
     project.add_argument("--format", choices=("table", "json"), default="table")
+
+    matrix = sub.add_parser("serve-matrix", help="serving fit matrix: decoder sizes x GPUs x weight precision "
+                                                 "(largest batch per context, decode tokens/s, USD per M tokens)")
+    matrix.add_argument("--size", type=_csv, default=None, help="gpt size ids (default: gpt-7b, llama3-8b, gpt-13b, "
+                                                                "gpt-70b)")
+    matrix.add_argument("--gpu", type=_csv, default=None, help="profile ids or families (default: every GPU profile)")
+    matrix.add_argument("--weights", type=_csv, default=None, help="bf16, int8, int4 (default: all three)")
+    matrix.add_argument("--context", type=_csv, default=None, metavar="TOKENS,...",
+                        help="contexts (prompt + generated tokens) to find the largest batch at (default 4096,32768)")
+    matrix.add_argument("--gen-len", type=_count, default=None, help="tokens generated per sequence (default 128)")
+    matrix.add_argument("--eager", action="store_true", help="eager decode instead of compiled (CUDA graphs)")
+    matrix.add_argument("--out", type=_folder, default=None, metavar="FILE.csv|.parquet", help="keep the frame")
 
     report = sub.add_parser("report", help="merge results files into one HTML report")
     report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
@@ -260,7 +285,8 @@ def cmd_run(args) -> int:
                                noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD)
     plan = plan_run(local, gpus, workloads=(args.workload or []) + _user_workloads(args) or None,
                     stacks=args.technique, modes=args.mode, scale=args.scale, sizes=args.size,
-                    batch_size=args.batch_size, profiles=profiles, require_device=args.require_device)
+                    batch_size=args.batch_size, profiles=profiles, require_device=args.require_device,
+                    prompt_len=args.prompt_len, gen_len=args.gen_len)
     measured, projected, foreign, cells = plan.measured, plan.projected, plan.foreign, plan.cells
     run_id = new_run_id()
     store = ResultsStore(args.out or Path("results") / run_id)
@@ -335,11 +361,15 @@ def cmd_project(args) -> int:
     from harness.project.query import ProjectRequest, largest_model_answers, projected_rows
 
     user = _user_workloads(args)
+    if args.max_context and args.max_batch:
+        raise UsageError("--max-context solves for the prompt at a given batch, --max-batch for the batch at a given "
+                         "prompt: give one")
     if len(user) + bool(args.workload) > 1:
         raise UsageError("project answers for one model: give one of --workload, --model, --hf-config")
     named = {"workload": args.workload or user[0]} if args.workload or user else {}
     request = ProjectRequest(gpu=args.gpu, technique=args.technique, mode=args.mode, size=args.size,
-                             batch_size=args.batch_size, max_batch=args.max_batch, seq_len=args.seq_len, **named)
+                             batch_size=args.batch_size, max_batch=args.max_batch, seq_len=args.seq_len,
+                             prompt_len=args.prompt_len, gen_len=args.gen_len, max_context=args.max_context, **named)
     profiles = _profiles(args)
     # A family name answers for each of its variants: one line of JSON each, or one table each.
     if args.largest_model:
@@ -433,7 +463,14 @@ def cmd_env(args) -> int:
     return 0
 
 
+def cmd_serve_matrix(args) -> int:
+    from harness.cli_serving import cmd_serve_matrix as command
+
+    return command(args)
+
+
 COMMANDS = {"run": cmd_run, "project": cmd_project, "report": cmd_report, "ledger": _speed("cmd_ledger"),
+            "serve-matrix": cmd_serve_matrix,
             "calibrate": _speed("cmd_calibrate"),
             "profiles": cmd_profiles,
             "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env}

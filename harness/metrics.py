@@ -12,6 +12,7 @@ from __future__ import annotations
 # (reference/gpu_specs.md: MFU is always against the dense peak of the precision actually used).
 PEAK_NAME = {
     "fp32": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp8-mixed": "fp8", "int8": "int8",
+    "bf16": "bf16", "fp16": "fp16",  # weights held in 16 bits (bf16-weights, fp16-weights)
     "float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
 }
 

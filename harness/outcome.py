@@ -46,6 +46,7 @@ class MemoryFigures:
     peak_reserved_low: int | None = None  # projected only: the ledger's interval
     peak_reserved_high: int | None = None
     peak_reserved_cells: int | None = None
+    kv_cache: int | None = None  # a served decoder's KV cache (apart from `params`, the weights)
 
 
 @dataclass
@@ -62,6 +63,21 @@ class SpeedFigures:
     step_time_ms_low: float | None = None  # projected only: the ledger's interval
     step_time_ms_high: float | None = None
     step_time_cells: int | None = None
+
+
+@dataclass
+class ServingFigures:
+    """A served decoder's generation: prompt prefill (time to first token) and decode from the KV cache.
+
+    `streamed_bytes` is what a decode step must read besides the cache: the weights, less tables read one
+    row per token (embeddings). The KV cache's size is a memory figure (MemoryFigures.kv_cache)."""
+
+    gen_len: int
+    ttft_ms: float
+    decode_ms_p50: float | None
+    decode_ms_p90: float | None
+    decode_ms_mean: float | None
+    streamed_bytes: int
 
 
 @dataclass
@@ -88,6 +104,7 @@ class Outcome:
     wall_time_s: float | None = None
     notes: list[str] = field(default_factory=list)
     interval_basis: str | None = None  # projected only: what the intervals rest on
+    serving: ServingFigures | None = None  # a served decoder's generation
 
 
 def failure(status: str, reason: str, **values) -> Outcome:
@@ -103,7 +120,7 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
     notes = list(outcome.notes)
     values: dict = {}
     if resolved is not None:
-        values.update(seq_len=resolved.spec.seq_len, image_size=resolved.spec.image_size,
+        values.update(seq_len=resolved.spec.seq_len, image_size=resolved.spec.image_size, gen_len=resolved.spec.gen_len,
                       accuracy_metric=resolved.workload.accuracy_metric or None)
         values["device_name"] = outcome.device_name or resolved.profile.name
     if outcome.memory is not None:
@@ -114,6 +131,9 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
         values["flops_per_step"] = flops_per_sample * resolved.batch_size if flops_per_sample else None
         if outcome.speed is not None:
             values.update(_speed_columns(resolved, outcome, flops_per_sample))
+        if outcome.serving is not None:
+            kv_bytes = outcome.memory.kv_cache if outcome.memory is not None else None
+            values.update(_serving_columns(resolved, outcome.serving, kv_bytes or 0))
     fits = outcome.fits
     if (fits is None and named.source == "measured" and outcome.status in ("ok", "oom") and resolved
             and resolved.profile.vendor != "cpu"):
@@ -139,14 +159,17 @@ def _memory_columns(memory: MemoryFigures) -> dict:
         activations_bytes=memory.activations, temporaries_bytes=memory.temporaries, param_count=memory.param_count,
         process_peak_rss_bytes=memory.process_peak_rss, alloc_retries=memory.alloc_retries,
         allocator=memory.allocator, peak_reserved_low_bytes=memory.peak_reserved_low,
-        peak_reserved_high_bytes=memory.peak_reserved_high, peak_reserved_cells=memory.peak_reserved_cells)
+        peak_reserved_high_bytes=memory.peak_reserved_high, peak_reserved_cells=memory.peak_reserved_cells,
+        kv_cache_bytes=memory.kv_cache)
 
 
 def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: float | None) -> dict:
     """Speed as measured or projected, and what derives from it (tokens/s, MFU, cost)."""
     speed = outcome.speed
+    # A generation's tokens are the ones it generates (tokens/s and USD per million generated tokens).
+    tokens = resolved.spec.gen_len or resolved.spec.seq_len
     derived = speed_and_cost(resolved.profile, outcome.precision or "fp32", flops_per_sample or 0.0,
-                             speed.throughput_samples_s, resolved.spec.seq_len,
+                             speed.throughput_samples_s, tokens,
                              convolutional=resolved.workload.traits.convolutional)
     if not flops_per_sample:
         derived["mfu"] = None  # unknown model FLOPs: no utilisation, rather than a 0
@@ -156,6 +179,24 @@ def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: f
                 step_time_ms_low=speed.step_time_ms_low, step_time_ms_high=speed.step_time_ms_high,
                 step_time_cells=speed.step_time_cells,
                 throughput_samples_s=speed.throughput_samples_s, **derived)
+
+
+def _serving_columns(resolved: ResolvedCell, serving: ServingFigures, kv_bytes: int) -> dict:
+    """A generation's figures, and the bandwidth its decode uses: the bytes a decode step reads (the
+    streamed weights once for the batch, and every sequence's cache up to its mean position) over the
+    mean decode step time, against the profile's datasheet bandwidth."""
+    batch, prompt = resolved.batch_size, resolved.spec.seq_len
+    context = prompt + serving.gen_len
+    mean_tokens = prompt + serving.gen_len / 2  # decode steps run at positions prompt .. context - 2, then read one more
+    bytes_per_step = serving.streamed_bytes + kv_bytes * mean_tokens / context
+    bandwidth = resolved.profile.per_device().memory_bandwidth_bytes_s
+    mean_s = serving.decode_ms_mean / 1e3 if serving.decode_ms_mean else None
+    return dict(
+        ttft_ms=serving.ttft_ms, decode_ms_per_token_p50=serving.decode_ms_p50,
+        decode_ms_per_token_p90=serving.decode_ms_p90, decode_tokens_s=batch / mean_s if mean_s else None,
+        prefill_tokens_s=batch * prompt / (serving.ttft_ms / 1e3) if serving.ttft_ms else None,
+        decode_bytes_per_step=round(bytes_per_step),
+        decode_bandwidth_util=bytes_per_step / mean_s / bandwidth if mean_s and bandwidth else None)
 
 
 def flops_per_sample_of(resolved: ResolvedCell, notes: list[str]) -> float | None:

@@ -28,11 +28,12 @@ DAY_ONE_SCALES = ("standard", "large")
 
 def expand(workloads: list[str], stacks: list[str], gpus: list[GpuProfile], modes: list[str],
            scale: str = "smoke", sizes: list[str] | None = None, batch_size: int | None = None,
-           source: str = "measured") -> list[Cell]:
+           source: str = "measured", prompt_len: int | None = None, gen_len: int | None = None) -> list[Cell]:
     """Every combination, in a stable order. Sizes default to the workload's sizes at `scale`.
 
     Explicit `sizes` are kept for the workloads that define them; a size no requested workload
-    defines is an error, as is an unknown scale, mode or stack (ValueError, one line).
+    defines is an error, as is an unknown scale, mode or stack (ValueError, one line). `prompt_len`
+    and `gen_len` set the generation of the inference cells of served decoders.
     """
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r} (valid: {', '.join(SCALES)})")
@@ -49,15 +50,21 @@ def expand(workloads: list[str], stacks: list[str], gpus: list[GpuProfile], mode
             if size not in known:
                 valid = ", ".join(sorted(known))
                 raise ValueError(f"unknown size {size!r} for workloads {', '.join(workloads)} (valid: {valid})")
+    served = prompt_len is not None or gen_len is not None
+    if served and ("infer" not in modes or not any(w.serving for w in loaded)):
+        raise ValueError("--prompt-len and --gen-len set the generation of a served decoder: they need --mode infer "
+                         "and a decoder workload (gpt)")
     cells = []
     for workload in loaded:
         specs = [workload.sizes[s] for s in sizes if s in workload.sizes] if sizes else workload.sizes_at(scale)
         for spec in specs:
             for mode in modes:
                 for stack in canonical:
+                    lengths = ({"prompt_len": prompt_len, "gen_len": gen_len}
+                               if served and mode == "infer" and workload.serving else {})
                     for gpu in gpus:
                         cells.append(Cell(workload.name, spec.name, mode, stack, gpu.id,
-                                          batch_size or spec.batch_size, source))
+                                          batch_size or spec.batch_size, source, **lengths))
     return list(dict.fromkeys(cells))
 
 
@@ -81,7 +88,8 @@ class RunPlan:
 def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads: list[str] | None = None,
              stacks: list[str] | None = None, modes: list[str] | None = None, scale: str | None = None,
              sizes: list[str] | None = None, batch_size: int | None = None,
-             profiles: dict[str, GpuProfile] | None = None, require_device: bool = False) -> RunPlan:
+             profiles: dict[str, GpuProfile] | None = None, require_device: bool = False,
+             prompt_len: int | None = None, gen_len: int | None = None) -> RunPlan:
     """The cells of a run on a machine whose device is `local`, asked for `gpus`.
 
     Every measured cell gets a projected twin (so the projection's error is known); GPUs this machine
@@ -102,12 +110,13 @@ def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads:
     if foreign and require_device:
         raise ValueError(f"--require-device: no {', '.join(g.id for g in foreign)} on this machine "
                          f"(local device: {local.id}); run without it to project instead")
+    lengths = {"prompt_len": prompt_len, "gen_len": gen_len}
     measured = expand(workloads, stacks, [g for g in gpus if g.id == local.id], modes, scale=local_scale,
-                      sizes=sizes, batch_size=batch_size)
+                      sizes=sizes, batch_size=batch_size, **lengths)
     projected = [dataclasses.replace(c, source="projected") for c in measured]
     projected_scales = DAY_ONE_SCALES if day_one else (scale or DEFAULT_PROJECTED_SCALE,)
     if foreign:
         for projected_scale in projected_scales:
             projected += expand(workloads, stacks, foreign, modes, scale=projected_scale, sizes=sizes,
-                                batch_size=batch_size, source="projected")
+                                batch_size=batch_size, source="projected", **lengths)
     return RunPlan(measured, projected, local, foreign, local_scale, "+".join(projected_scales))

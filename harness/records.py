@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # A measured cell whose repeats' mean step times vary by more than this (coefficient of variation),
 # or whose mean step time is more than twice this off its median, is flagged `noisy`: its timings are
 # not to be trusted to a few percent (harness/measure/timing.py).
@@ -86,7 +86,7 @@ class Record:
     noisy: bool | None = None
     timed_steps: int | None = None
     throughput_samples_s: float | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # generation rows: generated tokens (all sequences) per second
     flops_per_step: float | None = None
     mfu: float | None = None
     # projected rows: the range the true value is expected in, from the ledger's errors for cells of
@@ -98,6 +98,17 @@ class Record:
     peak_reserved_high_bytes: int | None = None
     peak_reserved_cells: int | None = None
     interval_basis: str | None = None
+    # serving (a decoder's inference): `seq_len` is the prompt, prefilled into a KV cache preallocated for
+    # prompt + gen_len tokens; the step is one whole generation; time to first token is the prefill.
+    gen_len: int | None = None
+    ttft_ms: float | None = None
+    decode_ms_per_token_p50: float | None = None  # one decode step (one token for every sequence)
+    decode_ms_per_token_p90: float | None = None
+    decode_tokens_s: float | None = None  # batch / mean decode step time
+    prefill_tokens_s: float | None = None  # batch x prompt / time to first token
+    kv_cache_bytes: int | None = None  # apart from params_bytes (the weights)
+    decode_bytes_per_step: int | None = None  # weights streamed once + each sequence's cache at its mean length
+    decode_bandwidth_util: float | None = None  # decode_bytes_per_step / mean decode step / datasheet bandwidth
     # projection checked against its measured twin (same cell on the local device): projected / measured - 1
     peak_error_vs_measured: float | None = None
     step_time_error_vs_measured: float | None = None
@@ -235,8 +246,21 @@ def _v6_to_v7(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+SERVING_COLUMNS = ("gen_len", "ttft_ms", "decode_ms_per_token_p50", "decode_ms_per_token_p90", "decode_tokens_s",
+                   "prefill_tokens_s", "kv_cache_bytes", "decode_bytes_per_step", "decode_bandwidth_util")
+
+
+def _v7_to_v8(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 8 added generation (serving) columns; a decoder's inference before it was one forward of
+    the whole sequence, so its rows have none (unknown, not zero)."""
+    for column in SERVING_COLUMNS:
+        frame[column] = None
+    frame["schema_version"] = 8
+    return frame
+
+
 # version -> function taking a frame of that version to the next one.
-MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6, 6: _v6_to_v7}
+MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6, 6: _v6_to_v7, 7: _v7_to_v8}
 
 
 def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:

@@ -2,8 +2,11 @@
 
 Train: zero the gradients, then per micro-batch a forward under autocast and a backward of the loss
 divided by the number of micro-batches (scaled when fp16 loss scaling is on), then one optimizer
-step. Infer: one forward in inference mode. `mark(name)` is called at phase boundaries so memory
-probes can read live bytes there; it is None in timed loops.
+step. Infer: one forward in inference mode; for a served decoder (a workload with `serving` and a
+size with `gen_len`), one generation: the prompt is prefilled into a freshly allocated KV cache, whose
+last logits give the first token, and the other `gen_len - 1` tokens are decoded one at a time from
+the cache (greedy: the most likely token). `mark(name)` is called at phase boundaries so memory probes
+can read live bytes there; it is None in timed loops.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from suites.techniques.base import Run
 from suites.workloads.base import Batch
@@ -42,17 +46,27 @@ def tf32_matmuls(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
+def _compiled(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` through torch.compile: with dynamic shapes (a decode step's cache grows by one token per
+    step) and, on CUDA, mode reduce-overhead (each shape's kernels recorded once as a CUDA graph and
+    replayed). A projection's fake-tensor model is left as it is: the trace costs the compiled step."""
+    if any(is_fake(p) for p in model.parameters()):
+        return model
+    return torch.compile(model, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)
+
+
 class Step:
     """A callable step for one run on one device; holds the optimizer and the loss scaler."""
 
     def __init__(self, run: Run, device: torch.device):
         self.run = run
         self.device = device
-        self.model = run.model
         self.train = run.mode == "train"
-        self.model.train(self.train)
+        run.model.train(self.train)
+        self.model = _compiled(run.model, device) if run.compiled else run.model
         self.optimizer = run.optimizer_factory(self.model.parameters()) if self.train else None
         self.scaler = torch.amp.GradScaler(device.type) if run.loss_scaling else None
+        self.generates = not self.train and run.workload.serving is not None and run.size.gen_len is not None
 
     def autocast(self):
         if self.run.autocast_dtype is None:
@@ -91,6 +105,8 @@ class Step:
         return total
 
     def _infer_step(self, batch: Batch, mark: Mark) -> torch.Tensor:
+        if self.generates:
+            return self._generate(batch, mark)
         if mark:
             mark("forward_start")
         with torch.inference_mode(), self.autocast():
@@ -98,3 +114,46 @@ class Step:
         if mark:
             mark("forward_end")
         return out
+
+    # Generation, in the pieces a timer or a trace calls one by one.
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The keys' and values' dtype: what the attention produces (the autocast dtype, else the weights')."""
+        floating = (p.dtype for p in self.model.parameters() if p.is_floating_point())
+        return self.run.autocast_dtype or next(floating, torch.float32)
+
+    def new_cache(self, batch_size: int, device: torch.device | None = None):
+        """A KV cache for the whole context (prompt + generated tokens) of `batch_size` sequences."""
+        size = self.run.size
+        return self.run.workload.serving.new_cache(self.model, batch_size, size.seq_len + size.gen_len,
+                                                   self.cache_dtype, device or self.device, self.run.kv_cache)
+
+    def cache_bytes(self, batch_size: int) -> int:
+        """Bytes of the KV cache of `batch_size` sequences (built on the meta device: no memory)."""
+        return self.new_cache(batch_size, torch.device("meta")).nbytes
+
+    def prefill(self, cache, prompt: torch.Tensor) -> torch.Tensor:
+        """Write the prompt's keys and values into the cache; the first generated token [B, 1]."""
+        return self._next_token(prompt, cache, 0)
+
+    def decode(self, cache, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """Feed `tokens` [B, 1] at `position`; the next token [B, 1]."""
+        return self._next_token(tokens, cache, position)
+
+    def _next_token(self, tokens: torch.Tensor, cache, start: int) -> torch.Tensor:
+        with tf32_matmuls(self.run.tf32), torch.inference_mode(), self.autocast():
+            logits = self.run.workload.serving.forward(self.model, tokens, cache, start)
+        return logits.argmax(dim=-1, keepdim=True)
+
+    def _generate(self, batch: Batch, mark: Mark) -> torch.Tensor:
+        prompt = batch["input_ids"]
+        cache = self.new_cache(prompt.shape[0])
+        if mark:
+            mark("forward_start")
+        tokens = [self.prefill(cache, prompt)]
+        for i in range(self.run.size.gen_len - 1):
+            tokens.append(self.decode(cache, tokens[-1], prompt.shape[1] + i))
+        if mark:
+            mark("forward_end")
+        return torch.cat(tokens, dim=1)

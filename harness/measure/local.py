@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from harness.cell import ResolvedCell
+from harness.measure.generation import time_generation
 from harness.measure.memory import probe_for
 from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from harness.measure.timing import time_steps
-from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
+from harness.outcome import MemoryFigures, Outcome, ServingFigures, SpeedFigures, failure
 from harness.provenance import nvml_info
 from harness.records import DEFAULT_NOISE_THRESHOLD
 from suites.step import Step
@@ -95,14 +96,26 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
     if cell.mode == "train" and not torch.isfinite(loss).all():
         return failure("error", f"non-finite loss {loss.item()}", device_name=profile.name)
 
-    timing = time_steps(lambda: step(batch), settings.steps, settings.repeats, device)
+    serving = None
+    if step.generates:
+        # One generation per timed repeat (each has gen_len - 1 decode steps to take percentiles over).
+        generation = time_generation(step, batch["input_ids"], settings.repeats, device)
+        timing = generation.generations
+        serving = ServingFigures(
+            gen_len=spec.gen_len, ttft_ms=generation.ttft_ms, decode_ms_p50=generation.decode_percentile_ms(0.5),
+            decode_ms_p90=generation.decode_percentile_ms(0.9),
+            decode_ms_mean=generation.decode_mean_s * 1e3 if generation.decode_mean_s else None,
+            streamed_bytes=parameter_bytes(run.model) - workload.serving.gathered_bytes(run.model))
+    else:
+        timing = time_steps(lambda: step(batch), settings.steps, settings.repeats, device)
     # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     memory = MemoryFigures(
         peak_allocated=reading.peak_allocated, peak_reserved=reading.peak_reserved, process_peak_rss=rss,
         params=parameter_bytes(run.model), grads=gradient_bytes(run.model) if cell.mode == "train" else None,
         optimizer=optimizer_state_bytes(step.optimizer), activations=_activations(reading, cell.mode),
-        param_count=count_parameters(run.model), alloc_retries=reading.alloc_retries, allocator=reading.allocator)
+        param_count=count_parameters(run.model), alloc_retries=reading.alloc_retries, allocator=reading.allocator,
+        kv_cache=step.cache_bytes(cell.batch_size) if step.generates else None)
     speed = SpeedFigures(
         step_time_ms_p50=timing.percentile_ms(0.5), step_time_ms_p90=timing.percentile_ms(0.9),
         step_time_ms_mean=timing.mean_ms, throughput_samples_s=timing.throughput(cell.batch_size),
@@ -110,7 +123,7 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
     return Outcome(
         status="ok", precision=run.precision, memory=memory, speed=speed, device_name=_device_name(device),
         driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
-        wall_time_s=time.perf_counter() - started, notes=run.notes)
+        wall_time_s=time.perf_counter() - started, notes=run.notes, serving=serving)
 
 
 def _activations(reading, mode: str) -> int | None:

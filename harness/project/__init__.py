@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 from harness.cell import ResolvedCell
 from harness.ledger import interval, shipped_ledger, unfitted_interval
-from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
+from harness.outcome import MemoryFigures, Outcome, ServingFigures, SpeedFigures, failure
 from harness.project.depth import traced_to_depth
 from harness.project.memory import MemoryProjection, MiB, project_memory
 from harness.project.roofline import TimeEstimate, estimate
+from harness.project.serving import GenerationTime, generation_time
 from harness.project.search import (
     MAX_BATCH_LIMIT,
     LargestModel,
@@ -39,6 +40,7 @@ class Projection:
     memory: MemoryProjection
     time: TimeEstimate | None
     trace: StepTrace
+    generation: GenerationTime | None = None  # a served decoder's prefill and decode times
 
 
 def project(cell: ResolvedCell) -> Projection:
@@ -50,10 +52,12 @@ def project(cell: ResolvedCell) -> Projection:
     if trace.untraced:
         memory.notes.append(f"no step time: the trace cannot see {', '.join(trace.untraced)}")
         return Projection(memory, None, trace)
-    time = estimate(trace, profile, tf32_matmul=trace.tf32)
+    generation = generation_time(trace, profile) if trace.gen_len else None
+    time = generation.as_step() if generation else (
+        None if trace.gen_len else estimate(trace, profile, tf32_matmul=trace.tf32))
     if time is not None:
         memory.notes.extend(time.notes)
-    return Projection(memory, time, trace)
+    return Projection(memory, time, trace, generation)
 
 
 def project_outcome(cell: ResolvedCell) -> Outcome:
@@ -105,10 +109,21 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         temporaries=memory.temporaries, param_count=projection.trace.param_count,
         peak_reserved_low=round(reserved_bar.low) if reserved_bar else None,
         peak_reserved_high=round(reserved_bar.high) if reserved_bar else None,
-        peak_reserved_cells=reserved_bar.cells if reserved_bar else None)
+        peak_reserved_cells=reserved_bar.cells if reserved_bar else None,
+        kv_cache=projection.trace.kv_cache_bytes if projection.trace.gen_len else None)
     return Outcome(status=status, reason=reason, precision=projection.trace.precision, memory=figures, speed=speed,
                    fits=memory.fits, device_name=cell.profile.name, wall_time_s=time.perf_counter() - started,
-                   notes=memory.notes, interval_basis="; ".join(basis) or None)
+                   notes=memory.notes, interval_basis="; ".join(basis) or None,
+                   serving=_serving(projection) if speed is not None else None)
+
+
+def _serving(projection: Projection) -> ServingFigures | None:
+    generation, trace = projection.generation, projection.trace
+    if generation is None:
+        return None
+    return ServingFigures(gen_len=generation.gen_len, ttft_ms=generation.prefill_s * 1e3,
+                          decode_ms_p50=generation.decode_s(0.5) * 1e3, decode_ms_p90=generation.decode_s(0.9) * 1e3,
+                          decode_ms_mean=generation.decode_mean_s * 1e3, streamed_bytes=trace.params_bytes - trace.gathered_bytes)
 
 
 def _oom_reason(memory: MemoryProjection, gpu: str) -> str:

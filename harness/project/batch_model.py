@@ -48,6 +48,7 @@ def interpolated(a: StepTrace, b: StepTrace, batch_a: int, batch_b: int, batch: 
         optimizer_bytes=lin(a.optimizer_bytes, b.optimizer_bytes),
         activations_bytes=lin(a.activations_bytes, b.activations_bytes),
         baseline_bytes=lin(a.baseline_bytes, b.baseline_bytes), reserved={},
+        kv_cache_bytes=lin(a.kv_cache_bytes, b.kv_cache_bytes),
         phase_peaks=table(a.phase_peaks, b.phase_peaks),
         phase_at_peak={p: table(a.phase_at_peak.get(p, {}), b.phase_at_peak.get(p, {})) for p in b.phase_at_peak})
 

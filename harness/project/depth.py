@@ -48,10 +48,12 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         params_bytes=round(lin(a.params_bytes, b.params_bytes)), grads_bytes=round(lin(a.grads_bytes, b.grads_bytes)),
         optimizer_bytes=round(lin(a.optimizer_bytes, b.optimizer_bytes)),
         activations_bytes=round(lin(a.activations_bytes, b.activations_bytes)), events=[],
-        ops=_extrapolated_ops(a.ops, b.ops, lin), precision=b.precision, tf32=b.tf32,
+        ops=_extrapolated_ops(a.ops, b.ops, lin), precision=b.precision, tf32=b.tf32, compiled=b.compiled,
         notes=b.notes + [f"extrapolated from traces at {low} and {high} layers to {depth}"],
         untraced=b.untraced,
-        param_count=round(lin(a.param_count, b.param_count)),
+        param_count=round(lin(a.param_count, b.param_count)), gen_len=b.gen_len,
+        kv_cache_bytes=round(lin(a.kv_cache_bytes, b.kv_cache_bytes)),
+        gathered_bytes=round(lin(a.gathered_bytes, b.gathered_bytes)),
         phase_peaks={p: round(v) for p, v in peaks.items() if p})
 
 

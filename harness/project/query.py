@@ -13,7 +13,14 @@ from harness.cell import Cell, ResolvedCell
 from harness.outcome import to_record
 from harness.profiles import resolve_gpus
 from harness.project import project_outcome
-from harness.project.search import MAX_BATCH_LIMIT, batch_step, largest_model, max_batch, smallest_batch
+from harness.project.search import (
+    MAX_BATCH_LIMIT,
+    batch_step,
+    largest_model,
+    max_batch,
+    max_context,
+    smallest_batch,
+)
 from harness.records import Record
 from suites.techniques import Unsupported
 
@@ -34,6 +41,9 @@ class ProjectRequest:
     batch_size: int | None = None
     max_batch: bool = False
     seq_len: int | None = None
+    prompt_len: int | None = None  # serving: prompt and generated tokens per sequence
+    gen_len: int | None = None
+    max_context: bool = False  # serving: the longest prompt that fits at the batch
 
 
 def _resolve_all(request: ProjectRequest, profiles) -> list[ResolvedCell]:
@@ -49,8 +59,15 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
         raise ValueError(f"--batch-size must be a positive integer, got {request.batch_size}")
     # Batch 1 until the size is known; the empty size resolves to the workload's default (Cell.resolve).
     cell = Cell(request.workload, request.size or "", request.mode, request.technique, request.gpu,
-                request.batch_size or 1, source="projected").resolve(profiles)
+                request.batch_size or 1, source="projected", prompt_len=request.prompt_len,
+                gen_len=request.gen_len).resolve(profiles)
     spec = cell.spec
+    if request.max_context and spec.gen_len is None:
+        raise ValueError("--max-context solves for a served decoder's longest prompt: it needs --mode infer and a "
+                         "decoder workload (gpt)")
+    if request.seq_len is not None and spec.gen_len is not None:
+        raise ValueError("a served decoder's sequence is a prompt and generated tokens: use --prompt-len and "
+                         "--gen-len instead of --seq-len")
     if request.seq_len is not None:
         limit = cell.workload.max_seq_len(spec)
         if spec.seq_len is None or limit is None:
@@ -66,16 +83,21 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
 def projected_rows(request: ProjectRequest, profiles) -> list[Record]:
     """The projected row of the request's cell on each GPU it names; with `max_batch`, at the largest
     batch that fits each."""
-    return [_projected_row(cell, request.max_batch) for cell in _resolve_all(request, profiles)]
+    return [_projected_row(cell, request.max_batch, request.max_context) for cell in _resolve_all(request, profiles)]
 
 
-def _projected_row(cell: ResolvedCell, search_batch: bool) -> Record:
+def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool = False) -> Record:
     notes = []
+    if search_context and not cell.unsupported:
+        _needs_memory_size(cell.profile, "--max-context")
+        prompt = max_context(cell)
+        if prompt:
+            cell = cell.with_spec(dataclasses.replace(cell.spec, seq_len=prompt))
+        else:
+            notes.append(f"--max-context: not even a 1-token prompt and {cell.spec.gen_len} generated tokens fit "
+                         f"at batch {cell.batch_size}")
     if search_batch:
-        profile = cell.profile
-        if profile.vendor == "cpu" or profile.capacity_bytes is None:
-            raise ValueError(f"--max-batch needs a profile with a memory size to fit in; {profile.id} has none "
-                             "(the host's memory is not modelled): pick a GPU profile")
+        _needs_memory_size(cell.profile, "--max-batch")
         if not cell.unsupported:  # an unsupported stack is reported as such by its row
             least = smallest_batch(cell.stack, cell.workload, cell.mode)
             batch = least
@@ -91,10 +113,17 @@ def _projected_row(cell: ResolvedCell, search_batch: bool) -> Record:
     return record
 
 
+def _needs_memory_size(profile, flag: str) -> None:
+    if profile.vendor == "cpu" or profile.capacity_bytes is None:
+        raise ValueError(f"{flag} needs a profile with a memory size to fit in; {profile.id} has none "
+                         "(the host's memory is not modelled): pick a GPU profile")
+
+
 def largest_model_answers(request: ProjectRequest, profiles) -> list[dict]:
     """The largest size of the request's workload that fits each GPU it names, at its smallest batch."""
     ignored = [flag for flag, value in (("--size", request.size), ("--batch-size", request.batch_size),
-                                        ("--max-batch", request.max_batch or None), ("--seq-len", request.seq_len))
+                                        ("--max-batch", request.max_batch or None), ("--seq-len", request.seq_len),
+                                        ("--max-context", request.max_context or None))
                if value is not None]
     if ignored:
         raise ValueError(f"--largest-model searches every size of {request.workload} at its smallest batch: "

@@ -28,7 +28,10 @@ from harness.metrics import peak_name
 from harness.project.speed_constants import SpeedConstants, constants_for
 from harness.project.trace import StepTrace
 
-PHASES = ("forward", "backward", "optimizer")
+# A training step's phases, then a served decoder's (generation_trace.py): the prompt's prefill and the
+# first and last decode steps, between which a decode step's time grows with the cache it reads.
+PHASES = ("forward", "backward", "optimizer", "prefill", "decode_first", "decode_last")
+GENERATION_PHASES = PHASES[3:]
 ISSUERS = ("python", "engine", "inference")
 _CLASS_INDEX = {"matmul": 0, "conv": 1, "attention": 2, "memory": 3}
 # An unknown SM count (a profile without one) counts as a mid-sized GPU's.
@@ -71,6 +74,10 @@ class OpArrays:
     bandwidth: float | None       # datasheet bytes/s
     achievable_bandwidth: float | None
     host_is_device: bool
+    # Matmuls and attention of a served decoder's prefill and decode: they stream weights and the KV
+    # cache in long sequential reads, which reach more of the bandwidth than a training step's mix.
+    streaming: np.ndarray | None = None
+    compiled: bool = False  # torch.compile'd and replayed as CUDA graphs (the `compile` technique)
     notes: list[str] = field(default_factory=list)
 
 
@@ -105,7 +112,9 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
         op_class=column([_CLASS_INDEX[s.op_class] for s, _ in rows], int),
         achievable=column(achievable), datasheet=column(datasheet), sm_count=profile.sm_count or DEFAULT_SM_COUNT,
         bandwidth=profile.memory_bandwidth_bytes_s, achievable_bandwidth=profile.achievable_bandwidth_bytes_s,
-        host_is_device=profile.vendor == "cpu", notes=notes)
+        host_is_device=profile.vendor == "cpu",
+        streaming=column([s.phase in GENERATION_PHASES and s.op_class in ("matmul", "attention") for s, _ in rows], bool),
+        compiled=trace.compiled, notes=notes)
 
 
 def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
@@ -128,10 +137,21 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     saturation = gpu.saturation_flops_per_sm * ops.sm_count
     compute = np.where(has_flops, (ops.flops + saturation) / np.where(has_flops, rate, 1.0), 0.0)
     memory = ops.bytes / bandwidth
+    if ops.streaming is not None and ops.streaming.any():
+        # No decode has been fitted: the stream efficiency is a prior, and a measured copy rate replaces it.
+        stream = ops.achievable_bandwidth or (ops.bandwidth * gpu.stream_bandwidth_efficiency)
+        memory = np.where(ops.streaming, ops.bytes / stream, memory)
+        notes.append(f"prefill/decode matmuls and attention stream at "
+                     f"{'the measured copy rate' if ops.achievable_bandwidth else f'{gpu.stream_bandwidth_efficiency:.2f} of the datasheet bandwidth (prior)'}")
     launch = ops.kernels * gpu.kernel_s
-    kernel = (np.maximum(compute, memory) + launch) * ops.count
     issue_per_op = (np.array([constants.issue_s[i] for i in ISSUERS])[ops.issuer]
                     + np.where(ops.op_class == _CLASS_INDEX["conv"], host.issue_conv_s, 0.0)) * ops.count
+    if ops.compiled:
+        # torch.compile fuses elementwise ops into their neighbours' kernels (their bytes still move, in
+        # the fused kernel) and CUDA graphs replay the whole step with one launch: no per-op host cost.
+        launch = np.where(ops.op_class == _CLASS_INDEX["memory"], 0.0, launch)
+        issue_per_op = np.zeros_like(issue_per_op)
+    kernel = (np.maximum(compute, memory) + launch) * ops.count
     p = 1.0 if ops.host_is_device else host.overlap
     step = 0.0
     for index in range(len(PHASES)):

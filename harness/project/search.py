@@ -7,6 +7,7 @@ confirm its answer; sizes are tried from the smallest model up.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,43 @@ def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, s
                 return answer
             guess = max(start, answer)
     return _largest(fits, start, guess, step, limit)
+
+
+# --max-context answers in multiples of this many prompt tokens (a search of a 131k-token context
+# then takes about a dozen projections).
+CONTEXT_STEP = 64
+
+
+def max_context(cell: ResolvedCell, step: int = CONTEXT_STEP) -> int:
+    """The longest prompt (a multiple of `step`, or 1..step-1 when only a short one fits) that a served
+    decoder's cell fits at its batch with its `gen_len` generated tokens, 0 if none; up to the model's
+    longest sequence. Memory is affine in the context (KV cache, attention and activations grow with
+    it): two projections give a guess, real projections bracket and bisect from there."""
+    from harness.project import project
+
+    spec, workload = cell.spec, cell.workload
+    limit = (workload.max_seq_len(spec) or spec.seq_len + spec.gen_len) - spec.gen_len
+
+    def at(prompt: int):
+        return project(cell.with_spec(dataclasses.replace(spec, seq_len=prompt))).memory
+
+    def fits(prompt: int) -> bool:
+        return bool(at(prompt).fits)
+
+    start = min(step, limit)
+    first = at(start)
+    if not first.fits:
+        return _largest(fits, 1, 1, 1, start - 1) if start > 1 and fits(1) else 0
+    if start == limit:
+        return start
+    second = at(min(limit, 2 * start))
+    slope = (second.reserved["native"] - first.reserved["native"]) / (min(limit, 2 * start) - start)
+    room = cell.profile.per_device().capacity_bytes - first.overhead - first.reserved["native"]
+    guess = limit if slope <= 0 else min(limit, start + int(room / slope))
+    guess = max(start, guess - guess % step)
+    answer = _largest(fits, start, guess, step, limit - limit % step)
+    # The multiple of `step` below the limit fits: the limit itself may too.
+    return limit if answer == limit - limit % step and limit % step and fits(limit) else answer
 
 
 class _NoModel(Exception):

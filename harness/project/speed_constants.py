@@ -30,6 +30,9 @@ class GpuConstants:
     unaligned_efficiency: float  # a 16/8-bit GEMM with a dimension off the tensor-core granule, relative
     bandwidth_efficiency: float  # achievable / datasheet bandwidth where no measured figure exists
     matmul_derating: float       # achievable / datasheet matmul rate where no measured figure exists
+    # achievable / datasheet bandwidth of the long sequential reads of a served decoder's matmuls (weights)
+    # and attention (KV cache), where no measured copy rate exists; not fitted (no decode measured yet)
+    stream_bandwidth_efficiency: float = 0.85
     fitted: bool = False         # whether these came from a fit on measurements of this vendor
 
 

@@ -91,6 +91,7 @@ class StepTrace:
     baseline_bytes: int = 0  # live before the tracked step (params, optimizer state, batch)
     precision: str = "fp32"
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (the `tf32` technique)
+    compiled: bool = False  # torch.compile'd, replayed as CUDA graphs (the `compile` technique)
     notes: list[str] = field(default_factory=list)
     # library workspaces -> allocator setting -> peak reserved, filled by the allocator model
     reserved: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict)
@@ -104,6 +105,11 @@ class StepTrace:
     # Compute the trace could not see (modules' `untraced_compute`): the roofline cannot time the step.
     untraced: tuple[str, ...] = ()
     param_count: int = 0  # parameters of the model the stack built (as a measured row counts them)
+    # A served decoder's generation (generation_trace.py): ops in phases prefill, decode_first and
+    # decode_last; its KV cache's bytes and the bytes of tables a decode step reads one row of.
+    gen_len: int | None = None
+    kv_cache_bytes: int = 0
+    gathered_bytes: int = 0
 
     @property
     def costs(self) -> dict[tuple[str, str, str], OpCost]:
@@ -308,9 +314,13 @@ class _OpCostMode(TorchDispatchMode):
             # operands are not floating point, so its dtype is named here.
             (m, k), n = args[0].shape, args[1].shape[1]
             flops, dtype = 2.0 * m * k * n, "int8"
+        elif name == "headroom.weight_only_linear":
+            # (x [..., in], packed integer weight [out, ...], scales, bits, group): a GEMM of x by the
+            # dequantised weight, in x's dtype; its bytes are the packed weight's, as the kernel reads them.
+            flops = 2.0 * args[0].numel() * args[1].shape[0]
         elif packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
-        elif "scaled_dot_product" in name and "for_cpu" in name:
+        elif "scaled_dot_product" in name and ("for_cpu" in name or func.namespace == "headroom"):
             flops = _cpu_attention_flops(name, args)
         moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
         kernels = foreach_kernels(args) if name.startswith("aten._foreach_") else 1
@@ -321,10 +331,15 @@ class _OpCostMode(TorchDispatchMode):
 
 
 def _cpu_attention_flops(name: str, args) -> float:
-    """The CPU fused attention ops have no flop formula registered; use the CUDA ones' formulas
-    (same math) so a trace on the CPU device counts what the GPU's attention kernel would do."""
-    q, k, v = (tuple(t.shape) for t in args[:3]) if "backward" not in name else (
-        tuple(t.shape) for t in args[1:4])
+    """The CPU fused attention ops (and headroom's int8-KV attention) have no flop formula registered;
+    use the CUDA ones' formulas (same math) so a trace on the CPU device counts what the GPU's attention
+    kernel would do. Grouped-query keys and values count per query head (each is read by its group)."""
+    if "int8_kv" in name:  # (q, k, k_scale, v, v_scale, causal)
+        tensors = (args[0], args[1], args[3])
+    else:
+        tensors = args[:3] if "backward" not in name else args[1:4]
+    q, k, v = (tuple(t.shape) for t in tensors)
+    k, v = (shape[:1] + q[1:2] + shape[2:] for shape in (k, v))
     if "backward" in name:
         return sdpa_backward_flop_count(tuple(args[0].shape), q, k, v)
     return sdpa_flop_count(q, k, v)
@@ -412,7 +427,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         peak_bytes=tracker.peak, at_peak=tracker.at_peak, params_bytes=end.get("params", 0),
         grads_bytes=end.get("grads", 0) if run.mode == "train" else 0,
         optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
-        ops=dict(costs.ops), baseline_bytes=baseline, precision=run.precision, tf32=run.tf32,
+        ops=dict(costs.ops), baseline_bytes=baseline, precision=run.precision, tf32=run.tf32, compiled=run.compiled,
         notes=notes + run.notes,
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
         first_matmul_at=tuple(first_matmuls.at.values()), measured_from=measured_from,
@@ -435,7 +450,11 @@ def traced(cell: ResolvedCell, profile=None) -> StepTrace:
     profile = profile or cell.profile
     workload, spec = cell.workload, cell.spec
     key = (workload.name, spec.name, tuple(sorted(spec.config.items())), spec.seq_len, spec.image_size,
-           cell.stack.name, cell.mode, cell.batch_size, _trace_key(profile))
+           spec.gen_len, cell.stack.name, cell.mode, cell.batch_size, _trace_key(profile))
+    if key not in _TRACES and cell.mode == "infer" and spec.gen_len is not None and workload.serving is not None:
+        from harness.project.generation_trace import trace_generation  # it builds on this module
+
+        _TRACES[key] = trace_generation(cell, profile)
     if key not in _TRACES:
         def run_factory() -> Run:
             return Run(workload=workload, size=spec, mode=cell.mode, profile=profile, model=workload.build(spec),

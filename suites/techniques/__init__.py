@@ -19,6 +19,7 @@ from suites.techniques import (
     precision,  # T1
     pruning,  # T4
     quantization,  # T7-T8
+    serving,  # T1 as served, KV-cache int8
     sharing,  # T2
     sparsity,  # T10-T12
 )
@@ -36,6 +37,7 @@ FAMILIES = [
     groupquant,
     sparsity,
     dynamic_sparsity,
+    serving,
 ]
 
 BASELINE = "baseline"

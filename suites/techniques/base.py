@@ -61,6 +61,8 @@ class Run:
         loss_scaling: dynamic loss scaling (GradScaler) for fp16.
         precision: label recorded in the row (`fp32`, `bf16-mixed`, ...).
         optimizer_factory: parameters -> optimizer (AdamW by default, as in nanoGPT and torchtitan).
+        kv_cache: how a served decoder stores its KV cache (`native`: the activations' dtype; `int8`).
+        compiled: the model runs through torch.compile (the `compile` technique).
         env: environment variables the cell process must have before the device starts.
         notes: facts worth recording in the row's reason/notes.
     """
@@ -77,6 +79,8 @@ class Run:
     loss_scaling: bool = False
     precision: str = "fp32"
     optimizer_factory: Callable[[Any], torch.optim.Optimizer] = default_optimizer
+    kv_cache: str = "native"
+    compiled: bool = False
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

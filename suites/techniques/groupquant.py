@@ -38,13 +38,45 @@ def _group_size(in_features: int, bits: int) -> int | None:
     return group
 
 
+# The hand-written layer's forward is one custom op, so the projection's trace sees what a GPU's
+# weight-only kernel does (torchao's int8 weight-only and int4 tinygemm, Marlin): read the packed integer
+# weight and its scales, dequantise in registers, multiply; its FLOPs and bytes are counted from its
+# operands (harness/project/trace.py). The CPU body is the reference arithmetic: dequantise, then matmul.
+@torch.library.custom_op("headroom::weight_only_linear", mutates_args=())
+def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bits: int,
+                       group_size: int) -> torch.Tensor:
+    out_features = weight.shape[0]
+    in_features = weight.shape[1] * (2 if bits == 4 else 1)
+    return F.linear(x, dequantize(weight, scales, bits, group_size, out_features, in_features).to(x.dtype))
+
+
+@weight_only_linear.register_fake
+def _weight_only_linear_fake(x, weight, scales, bits, group_size):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def int_weight(weight: torch.Tensor, bits: int, out_features: int, in_features: int) -> torch.Tensor:
+    """The integer weight [out, in] as int8 (int4 values unpacked from two per byte)."""
+    if bits == 8:
+        return weight
+    low = (weight & 0x0F).to(torch.int8) - 8
+    high = (weight >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).reshape(out_features, in_features)
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, out_features: int,
+               in_features: int) -> torch.Tensor:
+    groups = int_weight(weight, bits, out_features, in_features).reshape(out_features, -1, group_size)
+    return (groups.to(scales.dtype) * scales[..., None]).reshape(out_features, in_features)
+
+
 class GroupQuantLinear(nn.Module):
     """A Linear whose weight is stored as int8, or int4 packed two to a byte, with one fp32 scale per
     group of `group_size` consecutive inputs of each output row (symmetric, zero point 0).
 
     Written by hand because torchao's CPU int4 layouts keep one value per byte (IntxWeightOnlyConfig
     unpacks to int8) and its packed int4 kernels are CUDA-only; the forward dequantises the weight and
-    runs a float matmul.
+    runs a float matmul (one custom op: see weight_only_linear).
     """
 
     def __init__(self, module: nn.Linear, bits: int, group_size: int):
@@ -61,23 +93,21 @@ class GroupQuantLinear(nn.Module):
             nibbles = (q + 8).to(torch.uint8)  # offset binary: -7..7 -> 1..15
             q = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # [out, in / 2] bytes
         self.register_buffer("weight", q)
-        self.register_buffer("scales", scale)  # [out, in / group_size]
+        # [out, in / group_size], in the weights' dtype: fp32 for an fp32 model, 16-bit when the model is
+        # served in 16 bits (bf16-weights), as GPTQ/AWQ checkpoints store fp16 scales.
+        self.register_buffer("scales", scale.to(module.weight.dtype))
         self.register_buffer("bias", module.bias.detach().clone() if module.bias is not None else None)
 
     def int_weight(self) -> torch.Tensor:
         """The integer weight [out, in] as int8 (int4 values unpacked)."""
-        if self.bits == 8:
-            return self.weight
-        low = (self.weight & 0x0F).to(torch.int8) - 8
-        high = (self.weight >> 4).to(torch.int8) - 8
-        return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)
+        return int_weight(self.weight, self.bits, self.out_features, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
-        groups = self.int_weight().reshape(self.out_features, -1, self.group_size).to(self.scales.dtype)
-        return (groups * self.scales[..., None]).reshape(self.out_features, self.in_features)
+        return dequantize(self.weight, self.scales, self.bits, self.group_size, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = weight_only_linear(x, self.weight, self.scales, self.bits, self.group_size)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
@@ -137,7 +167,7 @@ def _torchao_layer(module: nn.Linear, bits: int, group: int, device: torch.devic
     if api is None:
         return None
     _, quantize_, Int8Config, Int4Config, PerGroup = api
-    dtype = torch.float32
+    dtype = module.weight.dtype  # fp32, or 16-bit under bf16-weights / fp16-weights
     if bits == 4:
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
             return None
@@ -158,7 +188,7 @@ def _torchao_layer(module: nn.Linear, bits: int, group: int, device: torch.devic
         quantize_(layer, config)
         wrapped = Bf16Input(layer) if bits == 4 else layer
         with torch.inference_mode():
-            wrapped(torch.zeros(2, module.in_features, device=device))
+            wrapped(torch.zeros(2, module.in_features, device=device, dtype=dtype))
     except Exception:  # a shape or device the kernel does not take: the hand-written layer takes over
         return None
     return wrapped

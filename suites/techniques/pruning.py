@@ -118,6 +118,11 @@ def prune_attention(attn: nn.Module, fraction: float, roles: AttentionRoles = FU
     Returns (heads before, heads after).
     """
     heads = getattr(attn, roles.heads)
+    if roles.kv_groups and getattr(attn, roles.kv_groups) != 1:
+        # Query heads share key/value heads there: removing a query head would leave its group's
+        # shared head half used, and removing a whole group is a different, coarser pruning.
+        raise Unsupported(f"head pruning of grouped-query attention ({getattr(attn, roles.kv_groups)} query heads "
+                          "per key/value head) is not implemented; it prunes multi-head attention")
     qkv, proj = _matrix(getattr(attn, roles.qkv)), _matrix(getattr(attn, roles.out))
     inner = qkv.shape[0] // 3
     size = inner // heads

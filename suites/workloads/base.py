@@ -38,6 +38,8 @@ class SizeSpec:
         canonical_params: the published parameter count this size must reproduce, or None.
         canonical_tolerance: allowed relative error against `canonical_params` (0 means exact).
         canonical_source: where `canonical_params` comes from.
+        gen_len: tokens a served decoder generates per sequence after its `seq_len`-token prompt
+            (inference of a workload with `serving`); None: the size's default (Workload.served).
     """
 
     name: str
@@ -49,16 +51,41 @@ class SizeSpec:
     canonical_params: int | None = None
     canonical_tolerance: float = 0.0
     canonical_source: str = ""
+    gen_len: int | None = None
 
 
 @dataclass(frozen=True)
 class AttentionRoles:
     """Attribute names, inside an attention module, of its fused [q; k; v] projection (heads contiguous
-    within each of q, k and v), its output projection and its head count: what head pruning rebuilds."""
+    within each of q, k and v), its output projection and its head count: what head pruning rebuilds;
+    `kv_groups` names its query heads per key/value head where it has grouped-query attention."""
 
     qkv: str = "qkv"
     out: str = "proj"
     heads: str = "n_head"
+    kv_groups: str | None = None
+
+
+# Tokens a served decoder generates per sequence unless told (`--gen-len`): a chat reply's length.
+DEFAULT_GEN_LEN = 128
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How a decoder is served: a prompt is prefilled into a KV cache, then tokens are decoded one at a
+    time from it (suites/generate.py runs the loop).
+
+    Attributes:
+        new_cache: (model, batch, context tokens, dtype, device, kind) -> a preallocated KV cache
+            (suites/kv_cache.py; kind `native` or `int8`).
+        forward: (model, tokens [B, S], cache, start position) -> next-token logits [B, vocab].
+        gathered_bytes: model -> bytes of its tables a token reads one row of (embeddings), which a
+            decode step does not stream from memory as it does the other weights.
+    """
+
+    new_cache: Callable[..., Any]
+    forward: Callable[[nn.Module, torch.Tensor, Any, int], torch.Tensor]
+    gathered_bytes: Callable[[nn.Module], int]
 
 
 @dataclass(frozen=True)
@@ -121,6 +148,7 @@ class Workload:
         forward_flops_per_sample: size -> analytic matmul/conv FLOPs of one forward pass per sample.
         train_flops_per_sample: size -> FLOPs of forward + backward per sample.
         accuracy_metric: name of the metric of its accuracy task (`top1`, `mlm-accuracy`, ...).
+        serving: how it is served token by token (decoders), or None: its inference is one forward.
         traits: what techniques and the projection need to know about it (see `Traits`).
     """
 
@@ -135,6 +163,7 @@ class Workload:
     forward_flops_per_sample: Callable[[SizeSpec], float]
     train_flops_per_sample: Callable[[SizeSpec], float]
     accuracy_metric: str = ""
+    serving: Serving | None = None
     traits: Traits = Traits()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -169,6 +198,16 @@ class Workload:
         """The longest sequence `size` accepts, or None (vision, or not declared)."""
         key = self.traits.max_seq_key
         return size.config.get(key) if key else None
+
+    def served(self, size: SizeSpec) -> SizeSpec:
+        """`size` as a served (inference) cell runs it: a decoder prefills a prompt and generates
+        `gen_len` tokens; where the size says nothing, it generates DEFAULT_GEN_LEN (at most an eighth
+        of its sequence) after a prompt that fills the rest, so the whole context is its `seq_len`.
+        Sizes of workloads that are not served token by token are returned as they are."""
+        if self.serving is None or size.seq_len is None or size.gen_len is not None:
+            return size
+        gen_len = max(2, min(DEFAULT_GEN_LEN, size.seq_len // 8))
+        return dataclasses.replace(size, seq_len=size.seq_len - gen_len, gen_len=gen_len)
 
     def tokens_per_sample(self, size: SizeSpec) -> int | None:
         """Tokens one sample carries (language models), None for vision."""

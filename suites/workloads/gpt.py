@@ -2,7 +2,10 @@
 
 Pre-norm blocks x + attn(norm(x)), x + mlp(norm(x)) with causal attention. Two families share the code:
 `gpt2` (GPT-2/GPT-3: learned positions, LayerNorm, GELU MLP 4x, biases, lm_head tied to the token
-embedding) and `llama` (Llama-2: rotary positions, RMSNorm, SwiGLU MLP, no biases, untied lm_head).
+embedding) and `llama` (Llama-2/3: rotary positions, RMSNorm, SwiGLU MLP, no biases, untied lm_head,
+and in Llama-3 grouped-query attention: several query heads share one key/value head, which shrinks
+the KV cache by that factor; Ainslie et al. 2023, arXiv:2305.13245). Served, the model prefills a
+prompt into a preallocated KV cache and decodes one token at a time from it (suites/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from suites.workloads.base import AttentionRoles, Batch, MlpRoles, SizeSpec, Traits, Workload
+from suites.kv_cache import KVCache, LayerCache, attention
+from suites.workloads.base import AttentionRoles, Batch, MlpRoles, Serving, SizeSpec, Traits, Workload
 
 FAMILIES = ("gpt2", "llama")
 
@@ -40,6 +44,7 @@ class GPTConfig:
     dropout: float = 0.0  # nanoGPT's default; raise it to measure the memory of dropout masks
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: one per query head
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -48,6 +53,16 @@ class GPTConfig:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
         if self.family == "llama" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rotary embeddings need an even head size, got {self.n_embd // self.n_head}")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head {self.n_head} is not divisible by n_kv_head {self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
 
     @property
     def hidden(self) -> int:
@@ -62,14 +77,16 @@ def norm(cfg: GPTConfig) -> nn.Module:
     return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate channel pairs (i, i + hd/2) of x [B, H, S, hd] by position-dependent angles (HF layout).
+def rope(x: torch.Tensor, theta: float, start: int = 0) -> torch.Tensor:
+    """Rotate channel pairs (i, i + hd/2) of x [B, H, S, hd], at positions start..start+S-1, by
+    position-dependent angles (HF layout).
 
     Computed on the fly rather than cached in a buffer so meta-built models need no re-initialisation.
     """
     seq, hd = x.shape[-2], x.shape[-1]
     inv_freq = theta ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
-    angles = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * inv_freq
+    positions = torch.arange(start, start + seq, device=x.device, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -79,25 +96,31 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         bias = cfg.family == "gpt2"
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=bias)  # one matmul for q, k and v
+        # One matmul for q, k and v: n_head query heads, then kv_heads key and kv_heads value heads.
+        self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.kv_groups = cfg.n_head // cfg.kv_heads  # query heads per key/value head (1: multi-head)
         self.rope_theta = cfg.rope_theta if cfg.family == "llama" else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None, start: int = 0) -> torch.Tensor:
         B, S, _ = x.shape
         qkv = self.qkv(x)
         # The attention width is read from qkv's output, not the model width, so a structurally pruned
         # module (fewer heads: fewer qkv rows and proj columns, smaller n_head) keeps working.
-        inner = qkv.shape[-1] // 3
-        heads = (B, S, self.n_head, inner // self.n_head)
-        q, k, v = (t.view(heads).transpose(1, 2) for t in qkv.split(inner, dim=2))
+        kv_heads = self.n_head // self.kv_groups
+        size = qkv.shape[-1] // (self.n_head + 2 * kv_heads)
+        q, k, v = qkv.split((self.n_head * size, kv_heads * size, kv_heads * size), dim=2)
+        q = q.view(B, S, self.n_head, size).transpose(1, 2)
+        k, v = (t.view(B, S, kv_heads, size).transpose(1, 2) for t in (k, v))
         if self.rope_theta is not None:
-            q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
-        dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, S, inner)))
+            q, k = rope(q, self.rope_theta, start), rope(k, self.rope_theta, start)
+        if cache is not None:
+            y = cache.attend(q, k, v, start)
+        else:
+            y = attention(q, k, v, dropout=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, S, self.n_head * size)))
 
 
 class MLP(nn.Module):
@@ -124,8 +147,8 @@ class Block(nn.Module):
         self.norm1, self.attn = norm(cfg), CausalSelfAttention(cfg)
         self.norm2, self.mlp = norm(cfg), MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cache, start)
         return x + self.mlp(self.norm2(x))
 
 
@@ -154,17 +177,22 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, start: int = 0,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits of every position of `idx`; with a `cache`, `idx` continues the cached sequence at
+        position `start` (its keys and values are written there), and `last_only` computes the logits
+        of the last position alone, as a server does to pick the next token."""
         seq = idx.shape[1]
-        if seq > self.cfg.block_size:
-            raise ValueError(f"sequence of {seq} tokens exceeds block_size {self.cfg.block_size}")
+        if start + seq > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + seq} tokens exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(seq, device=idx.device))
+            x = x + self.wpe(torch.arange(start, start + seq, device=idx.device))
         x = self.drop(x)
-        for block in self.blocks:
-            x = block(x)
-        x = self.norm_f(x)
+        layers = cache.layers if cache is not None else [None] * len(self.blocks)
+        for block, layer in zip(self.blocks, layers, strict=True):
+            x = block(x, layer, start)
+        x = self.norm_f(x[:, -1:] if last_only else x)
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.wte.weight)
 
 
@@ -177,6 +205,13 @@ def _llama(n_layer: int, n_embd: int, n_head: int) -> dict:
     return dict(
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=32000, block_size=4096, family="llama"
     )
+
+
+def _llama3(n_layer: int, n_embd: int, n_head: int, ffn_hidden: int) -> dict:
+    # Llama-3/3.1: 8 key/value heads, 128,256-token vocabulary, rope theta 500,000 (Meta's params.json);
+    # 3.1's 131,072-token context, which the same shapes serve (Llama 3 herd paper, Dubey et al. 2024).
+    return dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=8, vocab_size=128256,
+                block_size=131072, family="llama", ffn_hidden=ffn_hidden, rope_theta=500000.0)
 
 
 SIZES = {
@@ -231,6 +266,24 @@ SIZES = {
             canonical_source="HuggingFace meta-llama/Llama-2-13b-hf",
         ),
         SizeSpec(
+            "llama3-8b",
+            "large",
+            _llama3(32, 4096, 32, ffn_hidden=14336),
+            batch_size=1,
+            seq_len=8192,
+            canonical_params=8_030_261_248,
+            canonical_source="HuggingFace meta-llama/Meta-Llama-3-8B (3.1-8B has the same shapes)",
+        ),
+        SizeSpec(
+            "gpt-70b",
+            "large",
+            _llama3(80, 8192, 64, ffn_hidden=28672),
+            batch_size=1,
+            seq_len=8192,
+            canonical_params=70_553_706_496,
+            canonical_source="HuggingFace meta-llama/Meta-Llama-3-70B (3.1-70B has the same shapes)",
+        ),
+        SizeSpec(
             "gpt3-175b",
             "large",
             _gpt2(96, 12288, 96, 2048),
@@ -274,7 +327,8 @@ def forward_flops_per_sample(size: SizeSpec) -> float:
     cfg, seq = GPTConfig(**size.config), size.seq_len
     d = cfg.n_embd
     mlp_matrices = 3 if cfg.family == "llama" else 2
-    block_weights = 4 * d * d + mlp_matrices * d * cfg.hidden  # qkv + proj, then the MLP
+    qkv = d * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim  # fewer key/value heads: a narrower qkv
+    block_weights = qkv + d * d + mlp_matrices * d * cfg.hidden  # qkv + proj, then the MLP
     # QK^T and AV are full S x S matmuls (2 * S * d FLOPs each per token): the math sdpa path computes
     # the masked half too, and that is what FlopCounterMode counts.
     attention = 4 * seq * d
@@ -286,6 +340,27 @@ def train_flops_per_sample(size: SizeSpec) -> float:
     # Backward computes each matmul's grad for both operands, 2x forward; every input needs a grad since
     # the activations descend from the (trainable) token embedding.
     return 3 * forward_flops_per_sample(size)
+
+
+def new_cache(model: nn.Module, batch_size: int, context: int, dtype: torch.dtype, device: torch.device,
+              kind: str = "native") -> KVCache:
+    """A KV cache for `batch_size` sequences of `context` tokens, with each layer's own KV head count."""
+    heads = [block.attn.n_head // block.attn.kv_groups for block in model.blocks]
+    return KVCache(heads, batch_size, context, model.cfg.head_dim, dtype, device, kind)
+
+
+def serve_forward(model: nn.Module, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    """The next-token logits [B, vocab] after `tokens`, which continue the cached sequence at `start`."""
+    return model(tokens, cache=cache, start=start, last_only=True)[:, -1]
+
+
+def gathered_bytes(model: nn.Module) -> int:
+    """Bytes of tables a token reads one row of (position table, an untied token embedding), which a
+    decode step does not stream; a tied embedding is read whole as the output projection."""
+    tables = [model.wpe] if model.wpe is not None else []
+    if model.lm_head is not None:
+        tables.append(model.wte)
+    return sum(t.weight.numel() * t.weight.element_size() for t in tables)
 
 
 WORKLOAD = Workload(
@@ -300,7 +375,8 @@ WORKLOAD = Workload(
     forward_flops_per_sample=forward_flops_per_sample,
     train_flops_per_sample=train_flops_per_sample,
     accuracy_metric="next-token-accuracy",
+    serving=Serving(new_cache=new_cache, forward=serve_forward, gathered_bytes=gathered_bytes),
     traits=Traits(uniform_blocks=True, depth_key="n_layer", max_seq_key="block_size",
-                  attention=AttentionRoles(qkv="qkv", out="proj", heads="n_head"),
+                  attention=AttentionRoles(qkv="qkv", out="proj", heads="n_head", kv_groups="kv_groups"),
                   mlp=MlpRoles(up="up", gate="gate", down="proj")),
 )

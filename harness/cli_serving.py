@@ -1,0 +1,77 @@
+"""`headroom serve-matrix`: the serving fit matrix printed as a table, kept as a frame on request
+(harness/serve_matrix.py computes it)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from harness.cli import UsageError, _profiles, printable
+
+
+def _contexts(values: list[str] | None) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    try:
+        contexts = tuple(int(v.replace("_", "")) for v in values)
+    except ValueError:
+        raise UsageError(f"--context takes token counts such as 4096,32768; got {','.join(values)}") from None
+    if any(c < 1 for c in contexts):
+        raise UsageError(f"--context takes positive token counts; got {','.join(values)}")
+    return contexts
+
+
+def cmd_serve_matrix(args) -> int:
+    from harness.profiles import resolve_gpus
+    from harness.serve_matrix import C1_GPU, DEFAULT_GEN_LEN, MatrixRequest, judge_c1, serve_matrix
+
+    profiles = _profiles(args)
+    gpus = resolve_gpus(args.gpu, profiles) if args.gpu else [p for p in profiles.values() if p.vendor != "cpu"]
+    options = {key: value for key, value in (("sizes", tuple(args.size or ()) or None),
+                                             ("weights", tuple(args.weights or ()) or None),
+                                             ("contexts", _contexts(args.context))) if value}
+    request = MatrixRequest(gpus=tuple(g.id for g in gpus), gen_len=args.gen_len or DEFAULT_GEN_LEN,
+                            eager=args.eager, **options)
+    started = time.perf_counter()
+
+    def progress(done: int, total: int, row: dict) -> None:
+        print(f"[{done}/{total} {time.perf_counter() - started:4.0f}s] {row['size']} {row['weights']} on "
+              f"{row['gpu']}", file=sys.stderr)
+
+    matrix = serve_matrix(request, profiles, progress)
+    print(_table(matrix).to_string(index=False))
+    c1_gpu = profiles.get(C1_GPU)
+    verdict = judge_c1(matrix, c1_gpu.capacity_bytes if c1_gpu else None)
+    if verdict:
+        print(f"\nC1 (one A100 80 GB holds only about a 13B FP16 model): {verdict}")
+    print(f"\nall figures projected ({'eager' if request.eager else 'compiled, CUDA-graph'} decode, "
+          f"{request.gen_len} generated tokens per sequence); prices: the profiles' own, with their dates",
+          file=sys.stderr)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        if args.out.suffix == ".parquet":
+            matrix.to_parquet(args.out, index=False)
+        else:
+            matrix.to_csv(args.out, index=False)
+        print(f"matrix -> {printable(str(args.out))}", file=sys.stderr)
+    return 0
+
+
+def _table(matrix):
+    """The matrix for people: the answer's columns first, bytes in GiB, rates rounded."""
+    batches = [c for c in matrix.columns if c.startswith("max_batch_")]
+    columns = {"size": "size", "gpu": "GPU", "weights": "weights",
+               **{c: "max batch " + c.removeprefix("max_batch_") for c in batches},
+               "decode_tokens_s_b1": "tok/s b1", "decode_tokens_s_max": "tok/s max",
+               "decode_bandwidth_util_b1": "BW util b1", "usd_per_million_tokens_max": "USD/M tok max",
+               "usd_per_hour": "USD/h", "params_bytes": "weights GiB", "notes": "notes"}
+    table = matrix[[c for c in columns if c in matrix]].rename(columns=columns).copy()
+    for column in table.columns:
+        if column == "weights GiB":
+            table[column] = [f"{v / 2**30:,.1f}" if v == v and v is not None else "-" for v in table[column]]
+        elif column.startswith("max batch"):
+            table[column] = [str(int(v)) if v == v and v is not None else "-" for v in table[column]]
+        elif column not in ("size", "GPU", "weights", "notes"):
+            table[column] = [(f"{v:.0%}" if "util" in column else f"{v:,.2f}" if "USD" in column else f"{v:,.0f}")
+                             if v == v and v is not None else "-" for v in table[column]]
+    return table

@@ -1,0 +1,147 @@
+"""The serving fit matrix: for each decoder size x GPU profile x weight precision, the largest batch
+that fits at each context, decode tokens/s at batch 1 and at that batch, and USD per million generated
+tokens at the profile's price; every figure projected (harness/project/), one row per combination.
+
+Weights as servers hold them: `bf16` (bf16-weights), `int8` and `int4` (weight-only, group-wise scales,
+on bf16 activations), each with `compile` (CUDA-graph decode, as gpt-fast-style servers run) unless
+`eager` is asked for. The guide's C1 ("one A100 80 GB holds only about a 13B FP16 model") is judged
+from the A100 80 GB's bf16 rows (`judge_c1`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+
+from harness.cell import Cell
+from harness.outcome import to_record
+from harness.project import max_batch, project_outcome
+from suites.workloads import get_workload
+
+WEIGHTS = {"bf16": "bf16-weights", "int8": "bf16-weights+group-quant", "int4": "bf16-weights+group-quant-int4"}
+DEFAULT_SIZES = ("gpt-7b", "llama3-8b", "gpt-13b", "gpt-70b")
+DEFAULT_CONTEXTS = (4096, 32768)
+DEFAULT_GEN_LEN = 128
+RUN_ID = "serve-matrix"
+
+
+@dataclass(frozen=True)
+class MatrixRequest:
+    """What to tabulate: decoder sizes, GPU profile ids, weight precisions (WEIGHTS' keys), contexts
+    (prompt + generated tokens) and generated tokens per sequence; `eager` drops `compile`."""
+
+    sizes: tuple[str, ...] = DEFAULT_SIZES
+    gpus: tuple[str, ...] = ()
+    weights: tuple[str, ...] = tuple(WEIGHTS)
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    gen_len: int = DEFAULT_GEN_LEN
+    eager: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [w for w in self.weights if w not in WEIGHTS]
+        if unknown:
+            raise ValueError(f"unknown weight precision {unknown[0]!r} (valid: {', '.join(WEIGHTS)})")
+        if not self.contexts or any(c <= self.gen_len for c in self.contexts):
+            raise ValueError(f"every context must exceed --gen-len {self.gen_len} (it holds the prompt too)")
+        workload = get_workload("gpt")
+        for size in self.sizes:
+            workload.size(size)  # ValueError naming the valid sizes
+
+    def stack(self, weights: str) -> str:
+        return WEIGHTS[weights] + ("" if self.eager else "+compile")
+
+
+def _label(context: int) -> str:
+    return f"{context // 1024}k" if context % 1024 == 0 else str(context)
+
+
+def serve_matrix(request: MatrixRequest, profiles: dict,
+                 progress: Callable[[int, int, dict], None] | None = None) -> pd.DataFrame:
+    """One row per size x GPU x weight precision (see the module docstring); `progress(done, total,
+    row)` after each row."""
+    workload = get_workload("gpt")
+    combos = [(size, weights, gpu) for size in request.sizes for weights in request.weights for gpu in request.gpus]
+    rows = []
+    for index, (size, weights, gpu) in enumerate(combos, 1):
+        rows.append(_row(workload, request, profiles, size, weights, gpu))
+        if progress:
+            progress(index, len(combos), rows[-1])
+    return pd.DataFrame(rows)
+
+
+def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: str, gpu: str) -> dict:
+    stack, profile = request.stack(weights), profiles[gpu]
+    limit = workload.max_seq_len(workload.size(size))
+    row = {"size": size, "gpu": gpu, "weights": weights, "technique": stack, "gen_len": request.gen_len,
+           "usd_per_hour": profile.per_device().usd_per_hour, "price_date": profile.price_date, "notes": ""}
+    notes = []
+    for position, context in enumerate(request.contexts):
+        label = _label(context)
+        row[f"max_batch_{label}"] = None
+        if limit is not None and context > limit:
+            notes.append(f"{label}: beyond {size}'s {limit:,}-token context")
+            continue
+        cell = Cell("gpt", size, "infer", stack, gpu, 1, source="projected", prompt_len=context - request.gen_len,
+                    gen_len=request.gen_len).resolve(profiles)
+        if cell.unsupported:
+            notes.append(f"unsupported: {cell.unsupported}")
+            break
+        batch = max_batch(cell)
+        row[f"max_batch_{label}"] = batch
+        if position:
+            continue
+        # Speed and cost at the first context: batch 1 and the largest batch that fits.
+        for name, at in (("b1", 1), ("max", batch)):
+            if not at:
+                continue
+            record = to_record(cell.with_batch(at), project_outcome(cell.with_batch(at)), RUN_ID)
+            row[f"decode_tokens_s_{name}"] = record.decode_tokens_s
+            row[f"ttft_ms_{name}"] = record.ttft_ms
+            row[f"decode_bandwidth_util_{name}"] = record.decode_bandwidth_util
+            row[f"usd_per_million_tokens_{name}"] = record.usd_per_million_tokens
+            if name == "b1":
+                row["peak_reserved_b1_bytes"] = record.peak_reserved_bytes
+                row["params_bytes"] = record.params_bytes
+                row["kv_cache_b1_bytes"] = record.kv_cache_bytes
+    if not row.get("max_batch_" + _label(request.contexts[0])):
+        notes.append(f"does not fit at batch 1 and {request.contexts[0]:,} tokens")
+    row["notes"] = "; ".join(notes)
+    return row
+
+
+# C1's figure: the largest FP16 model one A100 80 GB holds, in parameters (GUIDE.md).
+C1_PARAMS = 13e9
+C1_GPU = "a100-sxm4-80gb"
+
+
+def judge_c1(matrix: pd.DataFrame, capacity_bytes: int | None, gpu: str = C1_GPU) -> str | None:
+    """The guide's C1 against the matrix's rows on `gpu` (capacity `capacity_bytes`) at its first
+    context, batch 1: the largest size that fits in bf16, how many more bf16 parameters the memory left
+    beside it would hold, and which weights make the sizes that do not fit fit. None without such rows."""
+    first = next((c for c in matrix.columns if c.startswith("max_batch_")), None)
+    if matrix.empty or first is None or "params_bytes" not in matrix:
+        return None
+    rows = matrix[matrix["gpu"] == gpu]
+    bf16 = rows[rows["weights"] == "bf16"]
+    if bf16.empty:
+        return None
+    fits = bf16[bf16[first].fillna(0) >= 1].sort_values("params_bytes")
+    context = first.removeprefix("max_batch_")
+    if fits.empty:
+        return f"contradicted: none of {', '.join(bf16['size'])} fits {gpu} in bf16 at {context} tokens"
+    largest = fits.iloc[-1]
+    params = largest["params_bytes"] / 2  # bf16: two bytes per parameter
+    room = capacity_bytes - largest["peak_reserved_b1_bytes"] if capacity_bytes else 0
+    reach = params + max(0.0, room) / 2
+    verdict = ("supported" if reach < 1.5 * C1_PARAMS else
+               f"contradicted by {reach / C1_PARAMS:.1f}x")
+    parts = [f"{verdict}: {largest['size']} ({params / 1e9:.1f}B) fits {gpu} in bf16 at {context} tokens, batch 1, "
+             f"with {room / 2**30:.0f} GiB left: weights of about {reach / 1e9:.0f}B parameters would fit (KV cache "
+             f"of a {context} context included for the size that fits)"]
+    for size in bf16[bf16[first].fillna(0) < 1]["size"]:
+        other = rows[(rows["size"] == size) & (rows[first].fillna(0) >= 1)]["weights"].tolist()
+        parts.append(f"{size} does not fit in bf16" + (f" but does in {' and '.join(other)}" if other else
+                                                        " nor in the quantised weights tried"))
+    return "; ".join(parts)
