@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--require-device", action="store_true",
                      help="refuse instead of projecting when a requested GPU is not this machine's")
     run.add_argument("--no-report", action="store_true", help="do not write report.html")
+    run.add_argument("--serve-matrix", action="store_true",
+                     help="also tabulate the serving fit matrix for the run's GPUs into serve_matrix.csv (a first "
+                          "run on a CPU machine tabulates 13B and 70B at 4k tokens by itself)")
 
     project = sub.add_parser("project", help="project one cell onto a GPU profile (no GPU needed)")
     project.add_argument("--workload", default=None, help="default: gpt, or your own model's")
@@ -182,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="merge results files into one HTML report")
     report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
     report.add_argument("--out", type=_folder, required=True, metavar="FILE.html")
+    report.add_argument("--serve-matrix", type=_folder, action="append", metavar="FILE",
+                        help="a serving fit matrix (headroom serve-matrix --out) to draw and judge C1 with; results "
+                             "folders holding serve_matrix.csv add theirs")
 
     ledger = sub.add_parser("ledger", help="the projected-vs-measured pairs that give projections their error bars")
     ledger_sub = ledger.add_subparsers(dest="ledger_command", required=True, parser_class=_Parser)
@@ -328,11 +334,16 @@ def cmd_run(args) -> int:
     from harness.cli_speed import write_run_ledger
 
     write_run_ledger(frame, profiles, out, console)
+    matrix = None
+    if args.serve_matrix or plan.day_one:
+        from harness.cli_serving import run_matrix
+
+        matrix = run_matrix(plan, profiles, out, console, full=args.serve_matrix)
     if not args.no_report:
         try:
             from reports.build import write_report
 
-            write_report([frame], out / "report.html")
+            write_report([frame], out / "report.html", matrix)
         except Exception as exc:  # the rows are saved; a report problem (a checkout updated mid-run) must not hide that
             console.print(f"headroom: report.html not written ({type(exc).__name__}: {str(exc)[:200]}); "
                           f"the results are saved: headroom report {out} --out FILE.html")
@@ -406,13 +417,19 @@ def cmd_report(args) -> int:
             raise UsageError(f"--out {args.out} would overwrite the results it reads ({path}); choose another file")
     import pandas as pd
 
+    from harness.serve_matrix import MATRIX_FILE, read_matrix
+
+    matrices = [read_matrix(path / MATRIX_FILE) for path in args.results if (path / MATRIX_FILE).is_file()]
+    matrices += [read_matrix(path) for path in args.serve_matrix or []]
     frames = [read_results(path) for path in args.results]
     # The same run given twice (a folder and its results.csv, or a copy) is one set of rows: a row equal
     # to another in every column is the same row read twice.
     merged = pd.concat(frames, ignore_index=True)
     unique = merged[~merged.astype(str).duplicated(keep="first")]
     repeated = len(merged) - len(unique)
-    write_report([unique], args.out)
+    matrix = pd.concat(matrices, ignore_index=True).drop_duplicates(["size", "gpu", "weights"], keep="last") \
+        if matrices else None
+    write_report([unique], args.out, matrix)
     counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
     print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
     return 0

@@ -75,3 +75,28 @@ def _table(matrix):
             table[column] = [(f"{v:.0%}" if "util" in column else f"{v:,.2f}" if "USD" in column else f"{v:,.0f}")
                              if v == v and v is not None else "-" for v in table[column]]
     return table
+
+
+def run_matrix(plan, profiles, out, console, full: bool):
+    """A run's serving matrix for its GPUs, written to `out`/serve_matrix.csv: the default request with
+    --serve-matrix, else the first run's compact one (DAY_ONE_SIZES at DAY_ONE_CONTEXTS)."""
+    from harness.records import atomic_write_text
+    from harness.serve_matrix import DAY_ONE_CONTEXTS, DAY_ONE_SIZES, MATRIX_FILE, MatrixRequest, serve_matrix
+
+    gpus = tuple(g.id for g in [plan.local, *plan.foreign] if g.vendor != "cpu")
+    if not gpus:
+        console.print("serving matrix: no GPU profile in this run to tabulate")
+        return None
+    request = MatrixRequest(gpus=gpus) if full else MatrixRequest(gpus=gpus, sizes=DAY_ONE_SIZES,
+                                                                   contexts=DAY_ONE_CONTEXTS)
+    started = time.perf_counter()
+
+    def progress(done: int, total: int, row: dict) -> None:
+        if done == total or done % 10 == 0:
+            console.print(f"serving matrix [{done}/{total} {time.perf_counter() - started:4.0f}s] {row['size']} "
+                          f"{row['weights']} on {row['gpu']} (projected)")
+
+    matrix = serve_matrix(request, profiles, progress)
+    atomic_write_text(out / MATRIX_FILE, matrix.to_csv(index=False))
+    console.print(f"serving matrix: {len(matrix)} rows -> {printable(str(out / MATRIX_FILE))}")
+    return matrix

@@ -12,6 +12,8 @@ must not enter the ratio.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -24,8 +26,14 @@ from suites.workloads.base import SizeSpec, Workload
 
 
 def analytic_flops_per_sample(workload: Workload, spec: SizeSpec, mode: str) -> float:
-    """The workload's analytic FLOPs per sample of the model as built (forward + backward in training)."""
-    return workload.train_flops_per_sample(spec) if mode == "train" else workload.forward_flops_per_sample(spec)
+    """The workload's analytic FLOPs per sample of the model as built (forward + backward in training; in
+    a served decoder's generation, one forward of every token it processes: the prompt in the prefill and
+    each generated token but the last in a decode step)."""
+    if mode == "train":
+        return workload.train_flops_per_sample(spec)
+    if spec.gen_len is not None:
+        spec = dataclasses.replace(spec, seq_len=spec.seq_len + spec.gen_len - 1, gen_len=None)
+    return workload.forward_flops_per_sample(spec)
 
 
 def model_flops_per_sample(cell: ResolvedCell) -> float:

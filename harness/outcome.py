@@ -187,7 +187,8 @@ def _serving_columns(resolved: ResolvedCell, serving: ServingFigures, kv_bytes: 
     mean decode step time, against the profile's datasheet bandwidth."""
     batch, prompt = resolved.batch_size, resolved.spec.seq_len
     context = prompt + serving.gen_len
-    mean_tokens = prompt + serving.gen_len / 2  # decode steps run at positions prompt .. context - 2, then read one more
+    # Decode steps feed positions prompt .. context - 2 and each reads the cache up to its own position.
+    mean_tokens = prompt + serving.gen_len / 2
     bytes_per_step = serving.streamed_bytes + kv_bytes * mean_tokens / context
     bandwidth = resolved.profile.per_device().memory_bandwidth_bytes_s
     mean_s = serving.decode_ms_mean / 1e3 if serving.decode_ms_mean else None

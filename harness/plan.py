@@ -79,6 +79,7 @@ class RunPlan:
     foreign: list[GpuProfile]
     scale: str
     projected_scale: str
+    day_one: bool = False  # a first run on a CPU machine: every GPU profile projected at the quoted sizes
 
     @property
     def cells(self) -> list[Cell]:
@@ -119,4 +120,4 @@ def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads:
         for projected_scale in projected_scales:
             projected += expand(workloads, stacks, foreign, modes, scale=projected_scale, sizes=sizes,
                                 batch_size=batch_size, source="projected", **lengths)
-    return RunPlan(measured, projected, local, foreign, local_scale, "+".join(projected_scales))
+    return RunPlan(measured, projected, local, foreign, local_scale, "+".join(projected_scales), day_one)

@@ -25,6 +25,10 @@ DEFAULT_SIZES = ("gpt-7b", "llama3-8b", "gpt-13b", "gpt-70b")
 DEFAULT_CONTEXTS = (4096, 32768)
 DEFAULT_GEN_LEN = 128
 RUN_ID = "serve-matrix"
+# What a first run on a CPU machine tabulates beside its cells (`headroom run` without --gpu): the sizes
+# C1 is about (13B, and the next one served, 70B) at a 4k context, in every weight precision.
+DAY_ONE_SIZES = ("gpt-13b", "gpt-70b")
+DAY_ONE_CONTEXTS = (4096,)
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def judge_c1(matrix: pd.DataFrame, capacity_bytes: int | None, gpu: str = C1_GPU
     context, batch 1: the largest size that fits in bf16, how many more bf16 parameters the memory left
     beside it would hold, and which weights make the sizes that do not fit fit. None without such rows."""
     first = next((c for c in matrix.columns if c.startswith("max_batch_")), None)
-    if matrix.empty or first is None or "params_bytes" not in matrix:
+    if matrix.empty or first is None or not {"params_bytes", "peak_reserved_b1_bytes"} <= set(matrix.columns):
         return None
     rows = matrix[matrix["gpu"] == gpu]
     bf16 = rows[rows["weights"] == "bf16"]
@@ -145,3 +149,32 @@ def judge_c1(matrix: pd.DataFrame, capacity_bytes: int | None, gpu: str = C1_GPU
         parts.append(f"{size} does not fit in bf16" + (f" but does in {' and '.join(other)}" if other else
                                                         " nor in the quantised weights tried"))
     return "; ".join(parts)
+
+
+MATRIX_FILE = "serve_matrix.csv"  # in a results folder: the run's serving fit matrix
+
+
+def judge_matrix(matrix: pd.DataFrame | None) -> str | None:
+    """C1's verdict on `matrix`, with the A100 80 GB's capacity from its profile."""
+    if matrix is None or matrix.empty:
+        return None
+    from harness.profiles import load_profiles
+
+    profile = load_profiles().get(C1_GPU)
+    return judge_c1(matrix, profile.capacity_bytes if profile else None)
+
+
+def read_matrix(path) -> pd.DataFrame:
+    """A serving fit matrix written by `headroom serve-matrix --out` or a run (CSV or Parquet); ValueError
+    (one line) for a file that is not one."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        matrix = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ValueError(f"{path}: not a readable serving matrix ({type(exc).__name__})") from None
+    needed = {"size", "gpu", "weights"}
+    if not needed <= set(matrix.columns) or not any(c.startswith("max_batch_") for c in matrix.columns):
+        raise ValueError(f"{path}: not a serving matrix (needs size, gpu, weights and max_batch_* columns)")
+    return matrix

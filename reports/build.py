@@ -87,8 +87,12 @@ def _ranges(frame: pd.DataFrame) -> pd.DataFrame:
             strict=True)])
 
 
-def build_context(frame: pd.DataFrame) -> dict:
-    """Everything the template shows, already formatted."""
+def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None) -> dict:
+    """Everything the template shows, already formatted; `matrix` is a serving fit matrix
+    (harness/serve_matrix.py) to draw and judge the guide's C1 with."""
+    from harness.serve_matrix import judge_matrix
+    from reports.serving import generation_rows, matrix_section
+
     frame = _ranges(frame)
     workloads = []
     for name, group in frame.groupby("workload", sort=False):
@@ -117,6 +121,8 @@ def build_context(frame: pd.DataFrame) -> dict:
         "workloads": workloads,
         "accuracy": projection_accuracy(frame) if len(frame) else [],
         "environments": environments,
+        "generation": generation_rows(frame) if len(frame) else None,
+        "serve_matrix": matrix_section(matrix, judge_matrix(matrix)) if matrix is not None else None,
     }
 
 
@@ -125,17 +131,18 @@ def environment_for_templates() -> jinja2.Environment:
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
 
-def render(frames: list[pd.DataFrame]) -> str:
-    return environment_for_templates().get_template("report.html.j2").render(**build_context(merge(frames)))
+def render(frames: list[pd.DataFrame], matrix: pd.DataFrame | None = None) -> str:
+    context = build_context(merge(frames), matrix)
+    return environment_for_templates().get_template("report.html.j2").render(**context)
 
 
-def write_report(frames: list[pd.DataFrame], out: Path) -> Path:
+def write_report(frames: list[pd.DataFrame], out: Path, matrix: pd.DataFrame | None = None) -> Path:
     """Render and write atomically; the folder must exist or be creatable."""
     from harness.records import atomic_write_text
 
     out = Path(out)
     try:
-        atomic_write_text(out, render(frames))
+        atomic_write_text(out, render(frames, matrix))
     except OSError as exc:
         raise ValueError(f"cannot write report {out} ({exc.strerror}); choose another --out") from None
     return out

@@ -107,6 +107,8 @@ class Step:
     def _infer_step(self, batch: Batch, mark: Mark) -> torch.Tensor:
         if self.generates:
             return self._generate(batch, mark)
+        if self.run.input_dtype is not None:  # a model served in 16 bits takes 16-bit inputs (images)
+            batch = {k: v.to(self.run.input_dtype) if v.is_floating_point() else v for k, v in batch.items()}
         if mark:
             mark("forward_start")
         with torch.inference_mode(), self.autocast():
@@ -144,7 +146,7 @@ class Step:
     def _next_token(self, tokens: torch.Tensor, cache, start: int) -> torch.Tensor:
         with tf32_matmuls(self.run.tf32), torch.inference_mode(), self.autocast():
             logits = self.run.workload.serving.forward(self.model, tokens, cache, start)
-        return logits.argmax(dim=-1, keepdim=True)
+            return logits.argmax(dim=-1, keepdim=True)
 
     def _generate(self, batch: Batch, mark: Mark) -> torch.Tensor:
         prompt = batch["input_ids"]

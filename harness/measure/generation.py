@@ -25,11 +25,13 @@ class GenerationTiming:
     prefill_s: tuple[float, ...]
     decode_s: tuple[float, ...]
     generation_s: tuple[float, ...]
+    repeat_s: tuple[float, ...]  # each repeat's generations, summed
+    per_repeat: int
 
     @property
     def generations(self) -> Timing:
-        """The whole generations as step timings (one generation per repeat)."""
-        return Timing(self.generation_s, self.generation_s, 1)
+        """The whole generations as step timings (a step is one generation)."""
+        return Timing(self.generation_s, self.repeat_s, self.per_repeat)
 
     def decode_percentile_ms(self, q: float) -> float | None:
         return Timing(self.decode_s, self.decode_s, 1).percentile_ms(q) if self.decode_s else None
@@ -44,12 +46,21 @@ class GenerationTiming:
         return statistics.fmean(self.decode_s) if self.decode_s else None
 
 
-def time_generation(step: Step, prompt: torch.Tensor, generations: int, device: torch.device) -> GenerationTiming:
-    """Run `generations` timed generations of the prompt batch `prompt` [B, prompt_len]."""
-    gen_len = step.run.size.gen_len
+def time_generation(step: Step, prompt: torch.Tensor, generations: int, repeats: int,
+                    device: torch.device) -> GenerationTiming:
+    """Run `repeats` x `generations` timed generations of the prompt batch `prompt` [B, prompt_len]."""
     prefill_s: list[float] = []
     decode_s: list[float] = []
     generation_s: list[float] = []
+    for _ in range(repeats):
+        _generations(step, prompt, generations, device, prefill_s, decode_s, generation_s)
+    repeat_s = tuple(sum(generation_s[i * generations:(i + 1) * generations]) for i in range(repeats))
+    return GenerationTiming(tuple(prefill_s), tuple(decode_s), tuple(generation_s), repeat_s, generations)
+
+
+def _generations(step: Step, prompt: torch.Tensor, generations: int, device: torch.device, prefill_s: list,
+                 decode_s: list, generation_s: list) -> None:
+    gen_len = step.run.size.gen_len
     for _ in range(generations):
         cache = step.new_cache(prompt.shape[0])
         clock = _Clock(device)
@@ -63,7 +74,6 @@ def time_generation(step: Step, prompt: torch.Tensor, generations: int, device: 
         decode_s.extend(laps[1:])
         generation_s.append(sum(laps))
         del cache
-    return GenerationTiming(tuple(prefill_s), tuple(decode_s), tuple(generation_s))
 
 
 class _Clock:

@@ -98,8 +98,8 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
 
     serving = None
     if step.generates:
-        # One generation per timed repeat (each has gen_len - 1 decode steps to take percentiles over).
-        generation = time_generation(step, batch["input_ids"], settings.repeats, device)
+        # A step is one generation (its gen_len - 1 decode steps are timed one by one besides).
+        generation = time_generation(step, batch["input_ids"], settings.steps, settings.repeats, device)
         timing = generation.generations
         serving = ServingFigures(
             gen_len=spec.gen_len, ttft_ms=generation.ttft_ms, decode_ms_p50=generation.decode_percentile_ms(0.5),

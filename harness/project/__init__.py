@@ -20,7 +20,6 @@ from harness.outcome import MemoryFigures, Outcome, ServingFigures, SpeedFigures
 from harness.project.depth import traced_to_depth
 from harness.project.memory import MemoryProjection, MiB, project_memory
 from harness.project.roofline import TimeEstimate, estimate
-from harness.project.serving import GenerationTime, generation_time
 from harness.project.search import (
     MAX_BATCH_LIMIT,
     LargestModel,
@@ -30,6 +29,7 @@ from harness.project.search import (
     max_batch,
     smallest_batch,
 )
+from harness.project.serving import GenerationTime, generation_time
 from harness.project.speed_constants import fit_provenance
 from harness.project.trace import StepTrace, traced
 from suites.techniques import Unsupported
@@ -123,7 +123,8 @@ def _serving(projection: Projection) -> ServingFigures | None:
         return None
     return ServingFigures(gen_len=generation.gen_len, ttft_ms=generation.prefill_s * 1e3,
                           decode_ms_p50=generation.decode_s(0.5) * 1e3, decode_ms_p90=generation.decode_s(0.9) * 1e3,
-                          decode_ms_mean=generation.decode_mean_s * 1e3, streamed_bytes=trace.params_bytes - trace.gathered_bytes)
+                          decode_ms_mean=generation.decode_mean_s * 1e3,
+                          streamed_bytes=trace.params_bytes - trace.gathered_bytes)
 
 
 def _oom_reason(memory: MemoryProjection, gpu: str) -> str:

@@ -113,7 +113,8 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
         achievable=column(achievable), datasheet=column(datasheet), sm_count=profile.sm_count or DEFAULT_SM_COUNT,
         bandwidth=profile.memory_bandwidth_bytes_s, achievable_bandwidth=profile.achievable_bandwidth_bytes_s,
         host_is_device=profile.vendor == "cpu",
-        streaming=column([s.phase in GENERATION_PHASES and s.op_class in ("matmul", "attention") for s, _ in rows], bool),
+        streaming=column([s.phase in GENERATION_PHASES and s.op_class in ("matmul", "attention")
+                          for s, _ in rows], bool),
         compiled=trace.compiled, notes=notes)
 
 
@@ -141,8 +142,9 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
         # No decode has been fitted: the stream efficiency is a prior, and a measured copy rate replaces it.
         stream = ops.achievable_bandwidth or (ops.bandwidth * gpu.stream_bandwidth_efficiency)
         memory = np.where(ops.streaming, ops.bytes / stream, memory)
-        notes.append(f"prefill/decode matmuls and attention stream at "
-                     f"{'the measured copy rate' if ops.achievable_bandwidth else f'{gpu.stream_bandwidth_efficiency:.2f} of the datasheet bandwidth (prior)'}")
+        rate = ("the measured copy rate" if ops.achievable_bandwidth else
+                f"{gpu.stream_bandwidth_efficiency:.2f} of the datasheet bandwidth (prior)")
+        notes.append(f"prefill/decode matmuls and attention stream at {rate}")
     launch = ops.kernels * gpu.kernel_s
     issue_per_op = (np.array([constants.issue_s[i] for i in ISSUERS])[ops.issuer]
                     + np.where(ops.op_class == _CLASS_INDEX["conv"], host.issue_conv_s, 0.0)) * ops.count

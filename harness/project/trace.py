@@ -357,10 +357,22 @@ def attention_backend(profile) -> SDPBackend | None:
     return SDPBackend.MATH
 
 
+@contextlib.contextmanager
+def as_target_runs(profile, run: Run):
+    """Inside, ops run as `profile` would run them: its attention kernel, and under autocast the target's
+    autocast lists, not the host CPU's (ROCm uses CUDA's)."""
+    backend = attention_backend(profile)
+    with contextlib.ExitStack() as contexts:
+        if backend:
+            contexts.enter_context(sdpa_kernel(backend))
+        if profile.vendor in ("nvidia", "amd") and run.autocast_dtype is not None:
+            contexts.enter_context(cuda_autocast_policy())
+        yield
+
+
 def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
     """Trace one steady-state step of the run `run_factory()` builds, as `profile` would run it."""
     rounding = 1 if profile.vendor == "cpu" else CUDA_ROUNDING
-    backend = attention_backend(profile)
     notes = []
     with FakeTensorMode(allow_non_fake_inputs=False):
         run: Run = run_factory()
@@ -372,12 +384,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             notes.append("fp16 loss scaling not traced (a few scalars of state)")
         step = Step(run, torch.device("cpu"))
         batch = batch_factory()
-        with contextlib.ExitStack() as contexts:
-            if backend:
-                contexts.enter_context(sdpa_kernel(backend))
-            if profile.vendor in ("nvidia", "amd") and run.autocast_dtype is not None:
-                # The target's autocast lists, not the host CPU's (ROCm uses CUDA's).
-                contexts.enter_context(cuda_autocast_policy())
+        with as_target_runs(profile, run):
             # The log starts where a real process does, with the parameters and the batch, and goes
             # through a warm-up step (which creates the optimizer state) before the measured one: the
             # caching allocator's segments when the measured step starts are shaped by that history

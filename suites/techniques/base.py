@@ -63,6 +63,7 @@ class Run:
         optimizer_factory: parameters -> optimizer (AdamW by default, as in nanoGPT and torchtitan).
         kv_cache: how a served decoder stores its KV cache (`native`: the activations' dtype; `int8`).
         compiled: the model runs through torch.compile (the `compile` technique).
+        input_dtype: floating inputs are cast to it before inference (a model held in 16 bits).
         env: environment variables the cell process must have before the device starts.
         notes: facts worth recording in the row's reason/notes.
     """
@@ -81,6 +82,7 @@ class Run:
     optimizer_factory: Callable[[Any], torch.optim.Optimizer] = default_optimizer
     kv_cache: str = "native"
     compiled: bool = False
+    input_dtype: torch.dtype | None = None
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

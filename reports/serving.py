@@ -1,0 +1,100 @@
+"""The report's serving section: generation rows (time to first token, decode per token, KV cache) and
+the serving fit matrix (harness/serve_matrix.py) as a table and a chart, with the guide's C1 judged on it.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pandas as pd
+
+from reports import format as fmt
+
+# Column -> (header, formatter) for generation rows.
+GENERATION_COLUMNS = [
+    ("size", "size", fmt.text), ("technique", "technique", fmt.text), ("gpu", "GPU", fmt.text),
+    ("source", "source", fmt.text), ("status", "status", fmt.text), ("batch_size", "batch", fmt.text),
+    ("seq_len", "prompt", fmt.text), ("gen_len", "generated", fmt.text),
+    ("ttft_ms", "time to first token (ms)", lambda v: fmt.number(v, 2)),
+    ("decode_ms_per_token_p50", "decode p50 (ms)", lambda v: fmt.number(v, 2)),
+    ("decode_ms_per_token_p90", "decode p90 (ms)", lambda v: fmt.number(v, 2)),
+    ("decode_tokens_s", "decode tokens/s", lambda v: fmt.number(v, 0)),
+    ("prefill_tokens_s", "prefill tokens/s", lambda v: fmt.number(v, 0)),
+    ("params_bytes", "weights", fmt.bytes_), ("kv_cache_bytes", "KV cache", fmt.bytes_),
+    ("peak_reserved_bytes", "peak reserved", fmt.bytes_),
+    ("decode_bandwidth_util", "decode bandwidth use", fmt.percent),
+    ("usd_per_million_tokens", "USD / M generated tokens", fmt.usd),
+]
+
+MATRIX_COLUMNS = [
+    ("size", "size", fmt.text), ("gpu", "GPU", fmt.text), ("weights", "weights", fmt.text),
+    ("decode_tokens_s_b1", "decode tokens/s, batch 1", lambda v: fmt.number(v, 0)),
+    ("decode_bandwidth_util_b1", "bandwidth use, batch 1", fmt.percent),
+    ("decode_tokens_s_max", "decode tokens/s, largest batch", lambda v: fmt.number(v, 0)),
+    ("usd_per_million_tokens_max", "USD / M tokens, largest batch", fmt.usd),
+    ("usd_per_hour", "USD / GPU-hour", fmt.usd), ("price_date", "price date", fmt.text), ("notes", "notes", fmt.text),
+]
+
+
+def generation_rows(frame: pd.DataFrame) -> dict | None:
+    """The generation rows (served decoders' inference) as a table; None where there are none."""
+    if "gen_len" not in frame:
+        return None
+    rows = frame[frame["gen_len"].notna()].sort_values(["size", "technique", "gpu", "source"], kind="stable")
+    if rows.empty:
+        return None
+    return {"headers": [h for _, h, _ in GENERATION_COLUMNS],
+            "rows": [{"cells": [f(row[c]) if c in row else fmt.EMPTY for c, _, f in GENERATION_COLUMNS],
+                      "status": str(row["status"]), "reason": fmt.text(row["reason"] or row["notes"])}
+                     for _, row in rows.iterrows()]}
+
+
+def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
+    """The serving fit matrix as a table (largest batch per context first), a chart, and C1's verdict."""
+    if matrix is None or matrix.empty:
+        return None
+    batches = [c for c in matrix.columns if c.startswith("max_batch_")]
+    columns = MATRIX_COLUMNS[:3] + [(c, f"largest batch at {c.removeprefix('max_batch_')}", _batch)
+                                    for c in batches] + MATRIX_COLUMNS[3:]
+    rows = [{"cells": [f(row[c]) if c in row else fmt.EMPTY for c, _, f in columns], "status": "ok", "reason": ""}
+            for _, row in matrix.iterrows()]
+    return {"headers": [h for _, h, _ in columns], "rows": rows, "chart": fit_chart(matrix, batches[0]),
+            "c1": c1_verdict, "context": batches[0].removeprefix("max_batch_")}
+
+
+def _batch(value) -> str:
+    if fmt.missing(value):
+        return fmt.EMPTY
+    return "does not fit" if int(value) == 0 else str(int(value))
+
+
+def fit_chart(matrix: pd.DataFrame, column: str) -> str:
+    """Size x GPU heat maps of the largest batch at one context, one panel per weight precision, as inline
+    SVG (matplotlib's SVG backend escapes the text it draws)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    weights = list(dict.fromkeys(matrix["weights"]))
+    sizes, gpus = list(dict.fromkeys(matrix["size"])), list(dict.fromkeys(matrix["gpu"]))
+    figure, axes = plt.subplots(len(weights), 1, figsize=(max(6.0, 0.55 * len(gpus) + 2), 1.0 + 0.45 * len(sizes)
+                                                              * len(weights)), squeeze=False)
+    for axis, weight in zip(axes[:, 0], weights, strict=True):
+        part = matrix[matrix["weights"] == weight].pivot_table(index="size", columns="gpu", values=column,
+                                                                aggfunc="first").reindex(index=sizes, columns=gpus)
+        values = part.astype(float).to_numpy()
+        axis.imshow((values > 0).astype(float), cmap="RdYlGn", vmin=-0.3, vmax=1.3, aspect="auto")
+        for (i, j), value in pd.DataFrame(values).stack(future_stack=True).items():
+            axis.text(j, i, "-" if value != value else ("OOM" if value == 0 else f"{int(value)}"),
+                      ha="center", va="center", fontsize=7)
+        axis.set_yticks(range(len(sizes)), sizes, fontsize=8)
+        axis.set_xticks(range(len(gpus)), gpus, fontsize=7, rotation=45, ha="right")
+        axis.set_title(f"{weight} weights: largest batch at {column.removeprefix('max_batch_')} tokens (projected)",
+                       fontsize=9)
+    figure.tight_layout()
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg")
+    plt.close(figure)
+    svg = buffer.getvalue()
+    return svg[svg.index("<svg"):]  # drop the XML prolog and doctype: the SVG sits inside HTML
