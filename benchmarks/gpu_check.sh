@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 9.5 minutes: calibration
-# (about 2 min), 3 x 90 s of runs, 2 x 60 s under the other allocator settings, 70 s of fit check, 75 s of
-# tests; trim the runs' limits if the budget is tighter): calibration, measured
+# Every GPU check in one run, sized for a lent GPU machine's budget (at most about 11 minutes: calibration
+# (about 2 min), 3 x 90 s of runs, 100 s of serving, 2 x 60 s under the other allocator settings, 70 s of fit
+# check, 75 s of tests; trim the runs' limits if the budget is tighter): calibration, measured
 # cells with their projected twins (peak, reserved and step-time errors), the projected largest batch
 # measured (it must run, 10% more must not), then the tests that skip without CUDA (2:4
 # semi-structured kernels, int4 tinygemm, fp8, autocast lists).
 # Here:   bash benchmarks/gpu_vendor.sh
-# Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=570)
+# Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=600)
 # $OUT gets two files (the device returns at most 8): summary.txt, written as it goes, and
 # gpu_check.tgz with every log and results folder (from $WORK).
 set -uo pipefail
@@ -35,7 +35,8 @@ timeout -k 5 150 $PY -m harness.cli calibrate --out "$WORK/calibration" 2>&1 | t
 # limit that cuts one run short loses only that workload's errors.
 for workload in gpt bert resnet50; do
   step "measured cells and projected twins: $workload"
-  timeout -k 5 90 $PY -m harness.cli run --scale standard --workload "$workload" \
+  generation=(); [ "$workload" = gpt ] && generation=(--gen-len 32)  # gpt's inference is a generation
+  timeout -k 5 90 $PY -m harness.cli run --scale standard --workload "$workload" "${generation[@]}" \
     --technique baseline,amp-bf16,checkpointing --steps 10 --repeats 2 --warmup 2 --cell-timeout 60 \
     --out "$WORK/bench-$workload" > "$WORK/run-$workload.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
@@ -51,6 +52,22 @@ for conf in expandable_segments:True backend:cudaMallocAsync; do
     --out "$WORK/bench-alloc-$name" > "$WORK/run-alloc-$name.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
 done
+# Serving: measured decode (tokens/s, bandwidth use) of gpt2-124m and a 7B shape (random weights) in bf16,
+# int8 and int4 weights, eager and compiled, each with its projected twin (issue: LLM serving, point 7).
+step "serving: gpt2-124m and gpt-7b decode"
+timeout -k 5 100 $PY -m harness.cli run --workload gpt --size gpt2-124m,gpt-7b --mode infer --batch-size 1 \
+  --prompt-len 512 --gen-len 64 --steps 10 --repeats 1 --warmup 1 --cell-timeout 45 \
+  --technique bf16-weights,bf16-weights+compile,bf16-weights+group-quant+compile,bf16-weights+group-quant-int4+compile \
+  --out "$WORK/bench-serving" > "$WORK/run-serving.txt" 2>&1
+echo "exit $?" | tee -a "$OUT/summary.txt"
+$PY - "$WORK/bench-serving" <<'PYEOF' 2>&1 | tee -a "$OUT/summary.txt"
+import sys
+from harness.records import read_results
+frame = read_results(sys.argv[1])
+columns = ["size", "technique", "source", "status", "decode_ms_per_token_p50", "decode_tokens_s",
+           "decode_bandwidth_util", "ttft_ms", "kv_cache_bytes", "params_bytes"]
+print(frame[frame["gpu"] != "cpu"][columns].to_string(index=False))
+PYEOF
 $PY benchmarks/twin_errors.py "$WORK"/bench-* 2>&1 | tee -a "$OUT/summary.txt"
 # The twins join a copy of the ledger (merge it here with `headroom ledger add` on the unpacked folders).
 cp harness/data/ledger.csv "$WORK/ledger.csv"

@@ -74,6 +74,9 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         return failure("error", f"projection failed: {type(exc).__name__}: {exc}")
     memory, step = projection.memory, projection.time
     status, reason = ("oom", _oom_reason(memory, cell.profile.id)) if memory.fits is False else ("ok", "")
+    if status == "oom" and projection.trace.gen_len:
+        reason += ("; serving it over several GPUs (tensor parallelism) is not modelled yet: try quantised weights "
+                   "(group-quant, group-quant-int4), kv-int8 or a shorter context")
     speed = None
     # A cell that cannot run has no speed or cost, as a measured oom row has none.
     ledger = shipped_ledger()
