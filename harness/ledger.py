@@ -202,11 +202,11 @@ def interval(projected: float, ledger: pd.DataFrame, measured_column: str, proje
                     f"no measured pairs: x1/{NO_PAIRS_FACTOR:g} to x{NO_PAIRS_FACTOR:g}")
 
 
-def unfitted_interval(projected: float) -> Interval:
+def unfitted_interval(projected: float, why: str = "speed constants not fitted for this vendor") -> Interval:
     """The wide default, for a GPU whose vendor's speed constants were never fitted on a measurement
-    (no pair of another vendor says how far off its priors are)."""
+    (no pair of another vendor says how far off its priors are), or a kind of step never measured."""
     return Interval(projected / NO_PAIRS_FACTOR, projected * NO_PAIRS_FACTOR, 0,
-                    f"speed constants not fitted for this vendor: x1/{NO_PAIRS_FACTOR:g} to x{NO_PAIRS_FACTOR:g}")
+                    f"{why}: x1/{NO_PAIRS_FACTOR:g} to x{NO_PAIRS_FACTOR:g}")
 
 
 @cache

@@ -2,10 +2,10 @@
 that fits at each context, decode tokens/s at batch 1 and at that batch, and USD per million generated
 tokens at the profile's price; every figure projected (harness/project/), one row per combination.
 
-Weights as servers hold them: `bf16` (bf16-weights), `int8` and `int4` (weight-only, group-wise scales,
-on bf16 activations), each with `compile` (CUDA-graph decode, as gpt-fast-style servers run) unless
-`eager` is asked for. The guide's C1 ("one A100 80 GB holds only about a 13B FP16 model") is judged
-from the A100 80 GB's bf16 rows (`judge_c1`).
+Weights as servers hold them: `bf16` (bf16-weights; fp16-weights on GPUs without bf16), `int8` and `int4`
+(weight-only, group-wise scales, on 16-bit activations), each with `compile` (CUDA-graph decode, as
+gpt-fast-style servers run) unless `eager` is asked for. The guide's C1 ("one A100 80 GB holds only
+about a 13B FP16 model") is judged from the A100 80 GB's bf16 rows (`judge_c1`).
 """
 
 from __future__ import annotations
@@ -53,8 +53,11 @@ class MatrixRequest:
         for size in self.sizes:
             workload.size(size)  # ValueError naming the valid sizes
 
-    def stack(self, weights: str) -> str:
-        return WEIGHTS[weights] + ("" if self.eager else "+compile")
+    def stack(self, weights: str, profile) -> str:
+        """The technique stack serving `weights` on `profile`: 16-bit weights are fp16 where the GPU has no
+        bf16 (T4, V100), as servers load them there."""
+        stack = WEIGHTS[weights] + ("" if self.eager else "+compile")
+        return stack if profile.has("bf16") else stack.replace("bf16-weights", "fp16-weights")
 
 
 def _label(context: int) -> str:
@@ -76,11 +79,12 @@ def serve_matrix(request: MatrixRequest, profiles: dict,
 
 
 def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: str, gpu: str) -> dict:
-    stack, profile = request.stack(weights), profiles[gpu]
+    profile = profiles[gpu]
+    stack = request.stack(weights, profile)
     limit = workload.max_seq_len(workload.size(size))
     row = {"size": size, "gpu": gpu, "weights": weights, "technique": stack, "gen_len": request.gen_len,
            "usd_per_hour": profile.per_device().usd_per_hour, "price_date": profile.price_date, "notes": ""}
-    notes = []
+    notes = [] if "bf16-weights" in stack else ["16-bit weights in fp16 (no bf16 on this GPU)"]
     for position, context in enumerate(request.contexts):
         label = _label(context)
         row[f"max_batch_{label}"] = None
@@ -109,7 +113,7 @@ def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: s
                 row["peak_reserved_b1_bytes"] = record.peak_reserved_bytes
                 row["params_bytes"] = record.params_bytes
                 row["kv_cache_b1_bytes"] = record.kv_cache_bytes
-    if not row.get("max_batch_" + _label(request.contexts[0])):
+    if row.get("max_batch_" + _label(request.contexts[0])) == 0:
         notes.append(f"does not fit at batch 1 and {request.contexts[0]:,} tokens")
     row["notes"] = "; ".join(notes)
     return row

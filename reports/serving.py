@@ -32,7 +32,7 @@ MATRIX_COLUMNS = [
     ("decode_bandwidth_util_b1", "bandwidth use, batch 1", fmt.percent),
     ("decode_tokens_s_max", "decode tokens/s, largest batch", lambda v: fmt.number(v, 0)),
     ("usd_per_million_tokens_max", "USD / M tokens, largest batch", fmt.usd),
-    ("usd_per_hour", "USD / GPU-hour", fmt.usd), ("price_date", "price date", fmt.text), ("notes", "notes", fmt.text),
+    ("usd_per_hour", "USD / GPU-hour", fmt.usd), ("price_date", "price date", fmt.text),
 ]
 
 
@@ -56,7 +56,8 @@ def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
     batches = [c for c in matrix.columns if c.startswith("max_batch_")]
     columns = MATRIX_COLUMNS[:3] + [(c, f"largest batch at {c.removeprefix('max_batch_')}", _batch)
                                     for c in batches] + MATRIX_COLUMNS[3:]
-    rows = [{"cells": [f(row[c]) if c in row else fmt.EMPTY for c, _, f in columns], "status": "ok", "reason": ""}
+    rows = [{"cells": [f(row[c]) if c in row else fmt.EMPTY for c, _, f in columns], "status": "ok",
+             "reason": fmt.text(row["notes"]) if "notes" in row and not fmt.missing(row["notes"]) else ""}
             for _, row in matrix.iterrows()]
     return {"headers": [h for _, h, _ in columns], "rows": rows, "chart": fit_chart(matrix, batches[0]),
             "c1": c1_verdict, "context": batches[0].removeprefix("max_batch_")}
@@ -78,8 +79,10 @@ def fit_chart(matrix: pd.DataFrame, column: str) -> str:
 
     weights = list(dict.fromkeys(matrix["weights"]))
     sizes, gpus = list(dict.fromkeys(matrix["size"])), list(dict.fromkeys(matrix["gpu"]))
-    figure, axes = plt.subplots(len(weights), 1, figsize=(max(6.0, 0.55 * len(gpus) + 2), 1.0 + 0.45 * len(sizes)
-                                                              * len(weights)), squeeze=False)
+    # Each panel: a row per size, room below for the GPU names written at an angle.
+    panel = 0.45 * len(sizes) + 1.6
+    figure, axes = plt.subplots(len(weights), 1, figsize=(max(6.0, 0.6 * len(gpus) + 2), panel * len(weights)),
+                                squeeze=False)
     for axis, weight in zip(axes[:, 0], weights, strict=True):
         part = matrix[matrix["weights"] == weight].pivot_table(index="size", columns="gpu", values=column,
                                                                 aggfunc="first").reindex(index=sizes, columns=gpus)

@@ -328,3 +328,28 @@ def test_projection_accuracy_summarises_the_twins_errors():
 
 def test_no_accuracy_section_without_twins():
     assert "Projection against measurement" not in Page(render([_frame([_record(cell_id="a")])])).sections()
+
+
+def test_serving_sections_show_generations_and_the_matrix_with_c1():
+    gib = 2**30
+    frame = _frame([
+        _record(cell_id="g", mode="infer", gpu="a100-sxm4-80gb", source="projected", batch_size=4, seq_len=500,
+                gen_len=20, ttft_ms=12.0, decode_ms_per_token_p50=3.0, decode_ms_per_token_p90=3.1,
+                decode_tokens_s=1333.0, kv_cache_bytes=2 * gib, decode_bandwidth_util=0.7),
+        _record(cell_id="t", workload="bert", mode="infer"),
+    ])
+    matrix = pd.DataFrame([
+        {"size": "gpt-13b", "gpu": "a100-sxm4-80gb", "weights": "bf16", "max_batch_4k": 15, "params_bytes": 26e9,
+         "peak_reserved_b1_bytes": 30 * gib, "decode_tokens_s_b1": 56.0, "notes": f"{XSS} note"},
+        {"size": "gpt-70b", "gpu": "a100-sxm4-80gb", "weights": "bf16", "max_batch_4k": 0, "params_bytes": 141e9,
+         "peak_reserved_b1_bytes": 150 * gib, "decode_tokens_s_b1": None, "notes": ""},
+    ])
+    html = render([frame], matrix)
+    sections = Page(html).sections()
+    generation = sections["Serving: generation cells"][0]
+    assert len(generation["rows"]) == 1  # the BERT row is one-pass inference
+    row = _row_by(generation, "size", "small")
+    assert row["generated"] == "20" and row["KV cache"] == "2.0 GiB" and row["decode bandwidth use"] == "70.0%"
+    table = sections["Serving: which GPU holds which model (projected)"][0]
+    assert _row_by(table, "size", "gpt-70b")["largest batch at 4k"] == "does not fit"
+    assert "contradicted by 3.1x" in html and "<svg" in html and XSS not in html

@@ -165,6 +165,9 @@ def test_generation_rows_carry_prefill_decode_and_cache_figures():
     # The step is one generation: the prefill and 19 decode steps; tokens/s counts generated tokens.
     assert row.step_time_ms_p50 == pytest.approx(row.ttft_ms + 19 * row.decode_ms_per_token_p50)
     assert row.tokens_per_s == pytest.approx(4 * 20 / (row.step_time_ms_p50 / 1e3))
+    # No generation has been measured: its step time gets the wide interval, and says so.
+    assert "no generation (prefill + decode) measured yet" in row.interval_basis
+    assert row.step_time_ms_low == pytest.approx(row.step_time_ms_p50 / 3)
 
 
 def test_lengths_outside_the_model_are_refused_in_one_line():
@@ -211,7 +214,7 @@ def test_the_serve_matrix_tabulates_batches_speeds_and_costs():
     assert a100["max_batch_1k"] > 1 and a100["decode_tokens_s_max"] > a100["decode_tokens_s_b1"]
     assert a100["usd_per_million_tokens_max"] < a100["usd_per_million_tokens_b1"]
     t4 = matrix[(matrix["gpu"] == "t4") & (matrix["weights"] == "bf16")].iloc[0]
-    assert "unsupported" in t4["notes"]  # no bf16 on Turing
+    assert t4["technique"].startswith("fp16-weights") and t4["max_batch_1k"] > 1  # no bf16 on Turing: fp16
 
 
 def test_c1_is_judged_from_the_matrix_rows():
@@ -253,3 +256,24 @@ def test_compile_is_applied_to_real_models_only():
     # The projection costs a compiled step without host issue time (CUDA graphs replay it).
     eager, compiled = (project(_served("gpt2-124m", t, batch=1)).generation for t in ("baseline", "compile"))
     assert compiled.decode_mean_s < eager.decode_mean_s
+
+
+def test_serve_matrix_command_prints_keeps_and_reports(tmp_path, capsys):
+    from harness.cli import main
+
+    out = tmp_path / "matrix.csv"
+    assert main(["serve-matrix", "--size", "gpt2-124m", "--gpu", "a100-sxm4-80gb", "--weights", "bf16,int4",
+                 "--context", "1024", "--gen-len", "64", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "max batch 1k" in printed and "gpt2-124m" in printed
+    assert "C1" in printed  # judged from the A100 80 GB's bf16 row
+    assert len(pd.read_csv(out)) == 2
+    target = tmp_path / "report.html"
+    results = tmp_path / "results"
+    assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--mode", "infer", "--technique", "bf16-weights",
+                 "--gen-len", "4", "--steps", "10", "--repeats", "1", "--out", str(results), "--no-report"]) == 0
+    assert main(["report", str(results), "--serve-matrix", str(out), "--out", str(target)]) == 0
+    html = target.read_text()
+    assert "Serving: which GPU holds which model" in html and "Serving: generation cells" in html
+    assert main(["serve-matrix", "--weights", "fp8"]) == 2
+    assert "unknown weight precision 'fp8'" in capsys.readouterr().err

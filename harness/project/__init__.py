@@ -88,10 +88,16 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         fit = fit_provenance()
         # Never narrower than the fit's held-out median error; from other GPU generations only, never
         # narrower than its held-out worst (the bias across generations is what the fit saw least of).
-        bar = interval(step.step_s * 1e3, measured_column="measured_step_ms", projected_column="projected_step_ms",
-                       floor=fit.get("held_out_median_abs_error", 0.0),
-                       other_generations_floor=fit.get("held_out_worst_abs_error", 1.0),
-                       **kind) if step.fitted else unfitted_interval(step.step_s * 1e3)
+        if projection.generation is not None:
+            # The ledger's pairs are training and one-pass inference steps: none says how far off a
+            # projected prefill + decode is.
+            bar = unfitted_interval(step.step_s * 1e3, "no generation (prefill + decode) measured yet")
+        elif step.fitted:
+            bar = interval(step.step_s * 1e3, measured_column="measured_step_ms", projected_column="projected_step_ms",
+                           floor=fit.get("held_out_median_abs_error", 0.0),
+                           other_generations_floor=fit.get("held_out_worst_abs_error", 1.0), **kind)
+        else:
+            bar = unfitted_interval(step.step_s * 1e3)
         basis.append(f"step time: {bar.basis}")
         speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, step_time_ms_mean=step.step_s * 1e3,
                              throughput_samples_s=cell.batch_size / step.step_s, step_time_ms_low=bar.low,

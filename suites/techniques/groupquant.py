@@ -240,7 +240,8 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
         run.notes.append(
             f"group-quant int{bits} weight-only, group size {sizes} (default {GROUP_SIZES[bits]}; a narrower "
             f"row is one group); {count} Linear layers: {path} [torchao path: {where}; {version}; hand-written: "
-            f"packed int{bits} + fp32 scales, dequantised per forward]; {before:,} -> {after:,} bytes{kept}")
+            f"packed int{bits} + scales in the weights' dtype, one op that dequantises and multiplies]; "
+            f"{before:,} -> {after:,} bytes{kept}")
 
     return apply
 
