@@ -1,4 +1,5 @@
 """Sessions: `nox` (lint + tests), `nox -s bench` (this machine), `nox -s bench-<family>` per GPU family,
+`gpu-check` (every GPU check, on a GPU machine),
 `tests_on-3.12` (the suite on another Python), `tests_older_torch` (on torch 2.6 and 2.11; not run by default).
 Sessions run on the oldest of Python 3.11-3.13 that is installed, and fail where none is.
 
@@ -80,6 +81,17 @@ def bench(session: nox.Session) -> None:
     """The default suite on the local device: measured rows, results frame and report.html."""
     _install(session)
     session.run("headroom", "run", *session.posargs)
+
+
+@nox.session(python=PYTHON, name="gpu-check", default=False)
+def gpu_check(session: nox.Session) -> None:
+    """Every GPU check in under 8 minutes (benchmarks/gpu_check.sh): measured cells and their projected twins,
+    served decoders, allocator settings, the largest batch measured, the tests marked `gpu`; the summary and
+    a tarball of the rows land in gpu_check_out/."""
+    if shutil.which("nvidia-smi") is None:
+        session.error("gpu-check needs an NVIDIA GPU and its driver (no nvidia-smi on this machine)")
+    _install(session)
+    session.run("bash", "benchmarks/gpu_check.sh", env={"PYTHON": "python"}, external=True)
 
 
 @nox.session(python=PYTHON)

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 import torch
 
 from harness.cell import Cell, ResolvedCell
+from harness.measure.nvml import NvmlFigures
 from harness.metrics import speed_and_cost
 from harness.model_flops import analytic_flops_per_sample, model_flops_per_sample
 from harness.provenance import git_sha
@@ -105,6 +106,8 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     interval_basis: str | None = None  # projected only: what the intervals rest on
     serving: ServingFigures | None = None  # a served decoder's generation
+    nvml: NvmlFigures | None = None  # measured CUDA only: what NVML saw over the timed steps
+    samples_timed: int | None = None  # samples the timed steps processed (energy per sample)
 
 
 def failure(status: str, reason: str, **values) -> Outcome:
@@ -125,6 +128,8 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
         values["device_name"] = outcome.device_name or resolved.profile.name
     if outcome.memory is not None:
         values.update(_memory_columns(outcome.memory))
+    if outcome.nvml is not None:
+        values.update(_nvml_columns(outcome.nvml, outcome.samples_timed, notes))
     if resolved is not None and (outcome.memory is not None or outcome.speed is not None):
         # A cell with figures (ok, or a projected oom) has its model FLOPs; MFU and cost need speed too.
         flops_per_sample = flops_per_sample_of(resolved, notes)
@@ -179,6 +184,17 @@ def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: f
                 step_time_ms_low=speed.step_time_ms_low, step_time_ms_high=speed.step_time_ms_high,
                 step_time_cells=speed.step_time_cells,
                 throughput_samples_s=speed.throughput_samples_s, **derived)
+
+
+def _nvml_columns(nvml: NvmlFigures, samples: int | None, notes: list[str]) -> dict:
+    """What the driver saw: this process's memory (context included), power, energy per sample."""
+    if nvml.energy_basis:
+        notes.append(f"energy from the GPU's {nvml.energy_basis} over {nvml.seconds:.2f} s "
+                     f"({nvml.samples} NVML samples)")
+    return dict(nvml_process_bytes=nvml.process_peak_bytes, nvml_device_used_bytes=nvml.device_used_peak_bytes,
+                power_w_mean=nvml.power_w_mean,
+                energy_j_per_sample=nvml.energy_j / samples if nvml.energy_j is not None and samples else None,
+                sm_clock_mhz_mean=nvml.sm_clock_mhz_mean, temperature_c_max=nvml.temperature_c_max)
 
 
 def _serving_columns(resolved: ResolvedCell, serving: ServingFigures, kv_bytes: int) -> dict:

@@ -60,4 +60,8 @@ def environment() -> dict[str, str | None]:
         "git_sha": git_sha(),
     }
     info.update(nvml_info())
+    from harness.measure.nvml import open_source
+
+    source, why = open_source(torch.device("cuda"))
+    info["nvml_sampling"] = "power, energy, clocks and process memory sampled during timed steps" if source else why
     return info

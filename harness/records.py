@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # A measured cell whose repeats' mean step times vary by more than this (coefficient of variation),
 # or whose mean step time is more than twice this off its median, is flagged `noisy`: its timings are
 # not to be trusted to a few percent (harness/measure/timing.py).
@@ -109,6 +109,13 @@ class Record:
     kv_cache_bytes: int | None = None  # apart from params_bytes (the weights)
     decode_bytes_per_step: int | None = None  # weights streamed once + each sequence's cache at its mean length
     decode_bandwidth_util: float | None = None  # decode_bytes_per_step / mean decode step / datasheet bandwidth
+    # measured CUDA rows: what NVML saw over the timed steps (harness/measure/nvml.py)
+    nvml_process_bytes: int | None = None  # this process's GPU memory, as nvidia-smi lists it (context included)
+    nvml_device_used_bytes: int | None = None  # the whole device's used memory (other processes too)
+    power_w_mean: float | None = None
+    energy_j_per_sample: float | None = None  # energy counter difference (else integrated power) / samples
+    sm_clock_mhz_mean: float | None = None
+    temperature_c_max: float | None = None
     # projection checked against its measured twin (same cell on the local device): projected / measured - 1
     peak_error_vs_measured: float | None = None
     step_time_error_vs_measured: float | None = None
@@ -259,8 +266,21 @@ def _v7_to_v8(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+NVML_COLUMNS = ("nvml_process_bytes", "nvml_device_used_bytes", "power_w_mean", "energy_j_per_sample",
+                "sm_clock_mhz_mean", "temperature_c_max")
+
+
+def _v8_to_v9(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 9 added NVML's readings of measured CUDA rows; none were sampled before it (unknown)."""
+    for column in NVML_COLUMNS:
+        frame[column] = None
+    frame["schema_version"] = 9
+    return frame
+
+
 # version -> function taking a frame of that version to the next one.
-MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6, 6: _v6_to_v7, 7: _v7_to_v8}
+MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6, 6: _v6_to_v7, 7: _v7_to_v8,
+              8: _v8_to_v9}
 
 
 def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:

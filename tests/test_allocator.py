@@ -116,3 +116,52 @@ def test_expandable_segments_invariants(operations, capacity):
         assert capacity is None or allocator.reserved <= capacity
         assert capacity is not None or allocator.reserved >= previous  # only an OOM retry unmaps
         previous = allocator.reserved
+
+
+# --- allocator settings as techniques (alloc-expandable, alloc-async) ----------------------------------------
+
+
+def test_allocator_techniques_set_the_environment_and_project_their_own_reserved_figure():
+    import torch
+
+    from harness.cell import Cell
+    from harness.outcome import to_record
+    from harness.profiles import load_profiles
+    from harness.project import project_outcome
+    from suites.techniques import Run, parse_stack
+    from suites.workloads import get_workload
+
+    profiles = load_profiles()
+    rows = {}
+    for technique in ("amp-bf16", "amp-bf16+alloc-expandable", "alloc-async+amp-bf16"):
+        cell = Cell("gpt", "gpt2-124m", "train", technique, "h100-sxm", 8, source="projected").resolve(profiles)
+        rows[cell.stack.name] = to_record(cell, project_outcome(cell), "t")
+    native, expandable, asynchronous = rows.values()
+    assert list(rows)[2] == "amp-bf16+alloc-async"  # stacks in phase order: the allocator is set last
+    # Each row's peak reserved is its own setting's; the other settings' figures stay beside it.
+    assert expandable.peak_reserved_bytes == native.peak_reserved_expandable_bytes < native.peak_reserved_bytes
+    assert asynchronous.peak_reserved_bytes == native.peak_reserved_async_bytes == native.peak_allocated_bytes
+    gpt = get_workload("gpt")
+    run = Run(workload=gpt, size=gpt.size("smoke"), mode="train", profile=profiles["h100-sxm"],
+              model=torch.nn.Linear(2, 2), batch_size=1)
+    parse_stack("alloc-expandable").apply(run)
+    assert run.env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} and run.allocator == "expandable_segments"
+
+
+def test_allocator_techniques_say_where_they_do_not_apply():
+    from harness.cell import Cell
+    from harness.profiles import load_profiles
+
+    profiles = load_profiles()
+    cpu = Cell("gpt", "smoke", "train", "alloc-expandable", "cpu", 4).resolve(profiles)
+    assert "the host CPU's allocator has no such setting" in cpu.unsupported
+    amd = Cell("gpt", "smoke", "train", "alloc-async", "mi300x", 4, source="projected").resolve(profiles)
+    assert "ROCm counterpart is not modelled" in amd.unsupported
+    assert Cell("gpt", "smoke", "train", "alloc-expandable", "mi300x", 4, source="projected").resolve(
+        profiles).unsupported is None
+    try:
+        Cell("gpt", "smoke", "train", "alloc-async+alloc-expandable", "h100-sxm", 4).resolve(profiles)
+    except ValueError as exc:
+        assert "alloc" in str(exc)
+    else:
+        raise AssertionError("two allocator settings must not stack")

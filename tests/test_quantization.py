@@ -243,7 +243,7 @@ def test_int4_error_exceeds_int8_error():
     assert errors[0] < 0.01 < errors[1] < 0.15
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchao's int4 tinygemm kernel needs a CUDA GPU")
+@pytest.mark.gpu
 def test_group_quant_int4_uses_torchao_tinygemm_on_cuda():
     if not _torchao_available():
         pytest.skip(f"torchao is not usable here: {G._torchao()[1]}")
@@ -273,7 +273,7 @@ def test_group_quant_int4_uses_torchao_tinygemm_on_cuda():
     assert gpu_error < 1.1 * cpu_error < 0.5, (gpu_error, cpu_error)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchao's int4 tinygemm kernel needs a CUDA GPU")
+@pytest.mark.gpu
 def test_group_quant_int4_keeps_the_true_size_where_tinygemm_would_pad():
     if not _torchao_available():
         pytest.skip(f"torchao is not usable here: {G._torchao()[1]}")

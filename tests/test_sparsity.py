@@ -116,10 +116,8 @@ def test_two_four_on_a_sparse_gpu_profile_uses_semi_structured_layers_for_infere
     assert not any(isinstance(m, SemiStructuredLinear) for m in train.model.modules())
 
 
+@pytest.mark.gpu
 def test_semi_structured_kernels_on_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: the semi-structured sparse kernels need sparse tensor cores "
-                    "(compute capability >= 8.0)")
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip(f"compute capability {torch.cuda.get_device_capability()} < (8, 0): no sparse tensor cores")
     if semi_structured_backend(torch.device("cuda")) is None:

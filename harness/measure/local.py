@@ -6,6 +6,7 @@ so each checks the other. Exceptions propagate: the cell's process turns them in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -16,6 +17,7 @@ import torch
 from harness.cell import ResolvedCell
 from harness.measure.generation import time_generation
 from harness.measure.memory import probe_for
+from harness.measure.nvml import NvmlSampler, open_source
 from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from harness.measure.timing import time_steps
 from harness.outcome import MemoryFigures, Outcome, ServingFigures, SpeedFigures, failure
@@ -97,17 +99,16 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         return failure("error", f"non-finite loss {loss.item()}", device_name=profile.name)
 
     serving = None
+    source, _ = open_source(device)
+    sampler = NvmlSampler(source) if source is not None else contextlib.nullcontext()
+    with sampler:
+        timing, generation = _timed(step, batch, settings, device)
     if step.generates:
-        # A step is one generation (its gen_len - 1 decode steps are timed one by one besides).
-        generation = time_generation(step, batch["input_ids"], settings.steps, settings.repeats, device)
-        timing = generation.generations
         serving = ServingFigures(
             gen_len=spec.gen_len, ttft_ms=generation.ttft_ms, decode_ms_p50=generation.decode_percentile_ms(0.5),
             decode_ms_p90=generation.decode_percentile_ms(0.9),
             decode_ms_mean=generation.decode_mean_s * 1e3 if generation.decode_mean_s else None,
             streamed_bytes=parameter_bytes(run.model) - workload.serving.gathered_bytes(run.model))
-    else:
-        timing = time_steps(lambda: step(batch), settings.steps, settings.repeats, device)
     # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     memory = MemoryFigures(
@@ -123,7 +124,18 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
     return Outcome(
         status="ok", precision=run.precision, memory=memory, speed=speed, device_name=_device_name(device),
         driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
-        wall_time_s=time.perf_counter() - started, notes=run.notes, serving=serving)
+        wall_time_s=time.perf_counter() - started, notes=run.notes, serving=serving,
+        nvml=sampler.figures() if source is not None else None,
+        samples_timed=len(timing.step_s) * cell.batch_size)
+
+
+def _timed(step: Step, batch, settings: MeasureSettings, device: torch.device):
+    """The timed steps (a step is one generation for a served decoder, whose gen_len - 1 decode steps are
+    timed one by one besides): (their Timing, the GenerationTiming or None)."""
+    if step.generates:
+        generation = time_generation(step, batch["input_ids"], settings.steps, settings.repeats, device)
+        return generation.generations, generation
+    return time_steps(lambda: step(batch), settings.steps, settings.repeats, device), None
 
 
 def _activations(reading, mode: str) -> int | None:

@@ -102,7 +102,7 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, step_time_ms_mean=step.step_s * 1e3,
                              throughput_samples_s=cell.batch_size / step.step_s, step_time_ms_low=bar.low,
                              step_time_ms_high=bar.high, step_time_cells=bar.cells)
-    reserved = memory.reserved.get("native")
+    reserved = memory.chosen_reserved
     reserved_bar = None
     if reserved:
         reserved_bar = interval(reserved, measured_column="measured_peak_reserved_bytes",
@@ -110,7 +110,7 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         basis.append(f"peak reserved: {reserved_bar.basis}")
     train = cell.mode == "train"
     figures = MemoryFigures(
-        peak_allocated=memory.peak_allocated, peak_reserved=memory.reserved.get("native"),
+        peak_allocated=memory.peak_allocated, peak_reserved=memory.chosen_reserved,
         reserved_expandable=memory.reserved.get("expandable_segments"),
         reserved_async=memory.reserved.get("cudaMallocAsync"), device_overhead=memory.overhead,
         library_workspaces=memory.workspaces, params=memory.params, grads=memory.grads if train else None,
@@ -140,8 +140,10 @@ def _oom_reason(memory: MemoryProjection, gpu: str) -> str:
     context = f"{memory.overhead / MiB:,.0f} MiB CUDA context > {memory.capacity / MiB:,.0f} MiB on {gpu}"
     if memory.peak_allocated + memory.overhead > memory.capacity:
         return f"needs {memory.peak_allocated / MiB:,.0f} MiB allocated at its peak + {context}"
+    if memory.allocator != "native":
+        return f"needs {memory.chosen_reserved / MiB:,.0f} MiB reserved under {memory.allocator} + {context}"
     # The live bytes would fit, but not in the segments the allocator can keep.
-    return (f"needs {memory.reserved['native'] / MiB:,.0f} MiB reserved + {context}, and freeing the cached "
+    return (f"needs {memory.chosen_reserved / MiB:,.0f} MiB reserved + {context}, and freeing the cached "
             f"blocks on a failed cudaMalloc does not make room for its {memory.peak_allocated / MiB:,.0f} MiB "
             "allocated")
 

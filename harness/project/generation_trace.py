@@ -70,7 +70,8 @@ def trace_generation(cell: ResolvedCell, profile) -> StepTrace:
     return StepTrace(
         peak_bytes=tracker.peak, at_peak=tracker.at_peak, params_bytes=tracker.by_category().get("params", 0),
         grads_bytes=0, optimizer_bytes=0, activations_bytes=tracker.peak - baseline, events=tracker.events,
-        ops=ops, baseline_bytes=baseline, precision=run.precision, tf32=run.tf32, compiled=run.compiled,
+        ops=ops, baseline_bytes=baseline, precision=run.precision, tf32=run.tf32,
+        compiled=run.compiled, allocator=run.allocator,
         notes=list(run.notes),
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
         first_matmul_at=tuple(first_matmuls.at.values())[:1], measured_from=measured_from,

@@ -74,6 +74,12 @@ class MemoryProjection:
     # the host CPU), and whether only the allocator's retry after freeing its cache makes it fit.
     fits: bool | None = None
     fits_by_freeing_cache: bool = False
+    allocator: str = "native"  # the setting the cell runs under (alloc-expandable, alloc-async)
+
+    @property
+    def chosen_reserved(self) -> int | None:
+        """Peak reserved under the cell's own allocator setting."""
+        return self.reserved.get(self.allocator)
 
 
 
@@ -158,7 +164,7 @@ def project_memory(trace: StepTrace, logged: StepTrace, profile, mode: str,
         grads=trace.grads_bytes, optimizer=trace.optimizer_bytes, activations=trace.activations_bytes,
         temporaries=_temporaries_at_peak(trace), workspaces=sum(workspaces), overhead=device_overhead(profile),
         capacity=profile.capacity_bytes if profile.vendor != "cpu" else None,
-        extrapolated_from=extrapolated_from, notes=notes)
+        extrapolated_from=extrapolated_from, notes=notes, allocator=trace.allocator)
     memory.fits, memory.fits_by_freeing_cache = _judge_fit(memory, logged, workspaces,
                                                            trace.peak_bytes - logged.peak_bytes)
     if memory.fits_by_freeing_cache:
@@ -178,9 +184,11 @@ def _judge_fit(memory: MemoryProjection, logged: StepTrace, workspaces: tuple[in
     if memory.capacity is None:
         return None, False
     room = memory.capacity - memory.overhead
-    if memory.reserved["native"] <= room:
+    if memory.chosen_reserved <= room:
         return True, False
-    if memory.peak_allocated > room:
+    if memory.peak_allocated > room or memory.allocator != "native":
+        # Expandable segments and cudaMallocAsync hold little beyond the live bytes: their modelled peak
+        # over the room is an out-of-memory without a cache-freeing retry to model.
         return False, False
     replayed = replay(_with_workspaces(logged, workspaces), "native", capacity=room - extra_live)
     return not replayed.oom, not replayed.oom

@@ -47,8 +47,8 @@ def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, s
     if not first.fits:
         return 0
     second = project(cell.with_batch(start + step)).memory
-    slope = (second.reserved["native"] - first.reserved["native"]) / step
-    budget = profile.capacity_bytes - first.overhead - first.reserved["native"]
+    slope = (second.chosen_reserved - first.chosen_reserved) / step
+    budget = profile.capacity_bytes - first.overhead - first.chosen_reserved
     guess = limit if slope <= 0 else min(limit, start + int(budget / slope) // step * step)
     guess = max(start, guess - guess % step)
 
@@ -99,8 +99,8 @@ def max_context(cell: ResolvedCell, step: int = CONTEXT_STEP) -> int:
     if start == limit:
         return start
     second = at(min(limit, 2 * start))
-    slope = (second.reserved["native"] - first.reserved["native"]) / (min(limit, 2 * start) - start)
-    room = cell.profile.per_device().capacity_bytes - first.overhead - first.reserved["native"]
+    slope = (second.chosen_reserved - first.chosen_reserved) / (min(limit, 2 * start) - start)
+    room = cell.profile.per_device().capacity_bytes - first.overhead - first.chosen_reserved
     guess = limit if slope <= 0 else min(limit, start + int(room / slope))
     guess = max(start, guess - guess % step)
     answer = _largest(fits, start, guess, step, limit - limit % step)

@@ -92,6 +92,7 @@ class StepTrace:
     precision: str = "fp32"
     tf32: bool = False  # fp32 matmuls on TF32 tensor cores (the `tf32` technique)
     compiled: bool = False  # torch.compile'd, replayed as CUDA graphs (the `compile` technique)
+    allocator: str = "native"  # the CUDA allocator setting the stack chose (alloc-expandable, alloc-async)
     notes: list[str] = field(default_factory=list)
     # library workspaces -> allocator setting -> peak reserved, filled by the allocator model
     reserved: dict[tuple[int, ...], dict[str, int]] = field(default_factory=dict)
@@ -434,7 +435,8 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         peak_bytes=tracker.peak, at_peak=tracker.at_peak, params_bytes=end.get("params", 0),
         grads_bytes=end.get("grads", 0) if run.mode == "train" else 0,
         optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
-        ops=dict(costs.ops), baseline_bytes=baseline, precision=run.precision, tf32=run.tf32, compiled=run.compiled,
+        ops=dict(costs.ops), baseline_bytes=baseline, precision=run.precision, tf32=run.tf32,
+        compiled=run.compiled, allocator=run.allocator,
         notes=notes + run.notes,
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
         first_matmul_at=tuple(first_matmuls.at.values()), measured_from=measured_from,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from suites.recipes import RECIPES
 from suites.techniques import (
     accumulation,  # T6
+    allocator,  # T18
     checkpointing,  # T5
     dynamic_sparsity,  # T12
     groupquant,  # T9
@@ -38,6 +39,7 @@ FAMILIES = [
     sparsity,
     dynamic_sparsity,
     serving,
+    allocator,
 ]
 
 BASELINE = "baseline"

@@ -64,6 +64,7 @@ class Run:
         kv_cache: how a served decoder stores its KV cache (`native`: the activations' dtype; `int8`).
         compiled: the model runs through torch.compile (the `compile` technique).
         input_dtype: floating inputs are cast to it before inference (a model held in 16 bits).
+        allocator: the CUDA caching allocator's setting (`native`, `expandable_segments`, `cudaMallocAsync`).
         env: environment variables the cell process must have before the device starts.
         notes: facts worth recording in the row's reason/notes.
     """
@@ -83,6 +84,7 @@ class Run:
     kv_cache: str = "native"
     compiled: bool = False
     input_dtype: torch.dtype | None = None
+    allocator: str = "native"
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
