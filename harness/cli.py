@@ -7,6 +7,7 @@ User errors (unknown names, bad files, unwritable folders) print one line and ex
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import os
 import re
@@ -148,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--require-device", action="store_true",
                      help="refuse instead of projecting when a requested GPU is not this machine's")
     run.add_argument("--no-report", action="store_true", help="do not write report.html")
+    run.add_argument("--memory-timeline", action="store_true",
+                     help="keep each measured cell's memory over one step by category in timelines/ (CUDA: also "
+                          "a memory snapshot for PyTorch's memory_viz); the report draws them")
+    run.add_argument("--profile", action="store_true", help="keep a profiler trace of 3 steps per measured cell in "
+                                                           "traces/ (Chrome trace format)")
+    run.add_argument("--tensorboard", type=_folder, default=None, metavar="DIR",
+                     help="write each measured cell's step times and memory as TensorBoard scalars under DIR")
     run.add_argument("--serve-matrix", action="store_true",
                      help="also tabulate the serving fit matrix for the run's GPUs into serve_matrix.csv (a first "
                           "run on a CPU machine tabulates 13B and 70B at 4k tokens by itself)")
@@ -281,6 +289,11 @@ def cmd_run(args) -> int:
     from harness.records import DEFAULT_NOISE_THRESHOLD, ResultsStore, new_run_id
     from harness.runner import DEFAULT_CELL_TIMEOUT_S, RunnerOptions, default_cell_memory, interrupt, run_plan
 
+    if args.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard (nox installs it)")
     if args.retry_failed and not args.resume:
         raise UsageError("--retry-failed reruns the failed cells of an earlier run: give it with --resume")
     console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
@@ -288,7 +301,9 @@ def cmd_run(args) -> int:
     local = detect_local(profiles)
     gpus = resolve_gpus(args.gpu, profiles) if args.gpu else None
     settings = MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats,
-                               noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD)
+                               noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD,
+                               memory_timeline=args.memory_timeline, profile=args.profile,
+                               tensorboard_dir=str(args.tensorboard.resolve()) if args.tensorboard else None)
     plan = plan_run(local, gpus, workloads=(args.workload or []) + _user_workloads(args) or None,
                     stacks=args.technique, modes=args.mode, scale=args.scale, sizes=args.size,
                     batch_size=args.batch_size, profiles=profiles, require_device=args.require_device,
@@ -299,7 +314,8 @@ def cmd_run(args) -> int:
     run_id = store.open(run_id, resume=args.resume)
     out = store.root
     options = RunnerOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
-                            settings=settings, profiles_dir=args.profiles,
+                            settings=dataclasses.replace(settings, artifacts_dir=str(out.resolve())),
+                            profiles_dir=args.profiles,
                             cell_memory_bytes=args.cell_memory or default_cell_memory())
     console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), "
                   f"scale {plan.scale}; {len(projected)} projected cells" + (f" (scale {plan.projected_scale} "
@@ -342,8 +358,9 @@ def cmd_run(args) -> int:
     if not args.no_report:
         try:
             from reports.build import write_report
+            from reports.timelines import timeline_files
 
-            write_report([frame], out / "report.html", matrix)
+            write_report([frame], out / "report.html", matrix, timeline_files([out]))
         except Exception as exc:  # the rows are saved; a report problem (a checkout updated mid-run) must not hide that
             console.print(f"headroom: report.html not written ({type(exc).__name__}: {str(exc)[:200]}); "
                           f"the results are saved: headroom report {out} --out FILE.html")
@@ -429,7 +446,9 @@ def cmd_report(args) -> int:
     repeated = len(merged) - len(unique)
     matrix = pd.concat(matrices, ignore_index=True).drop_duplicates(["size", "gpu", "weights"], keep="last") \
         if matrices else None
-    write_report([unique], args.out, matrix)
+    from reports.timelines import timeline_files
+
+    write_report([unique], args.out, matrix, timeline_files(args.results))
     counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
     print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
     return 0

@@ -11,10 +11,12 @@ import os
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from harness.cell import ResolvedCell
+from harness.measure import artifacts
 from harness.measure.generation import time_generation
 from harness.measure.memory import probe_for
 from harness.measure.nvml import NvmlSampler, open_source
@@ -40,6 +42,11 @@ class MeasureSettings:
     repeats: int = 3
     seed: int = 0
     noise_threshold: float = DEFAULT_NOISE_THRESHOLD
+    # Artifacts kept beside the rows (harness/measure/artifacts.py), in `artifacts_dir` (the results folder)
+    artifacts_dir: str | None = None
+    memory_timeline: bool = False
+    profile: bool = False
+    tensorboard_dir: str | None = None
 
     def __post_init__(self) -> None:
         # Percentiles and the spread need enough steps: p90 of fewer than 10 is one step's time.
@@ -121,12 +128,36 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         step_time_ms_p50=timing.percentile_ms(0.5), step_time_ms_p90=timing.percentile_ms(0.9),
         step_time_ms_mean=timing.mean_ms, throughput_samples_s=timing.throughput(cell.batch_size),
         step_time_cv=timing.cv, noisy=timing.noisy(settings.noise_threshold), timed_steps=len(timing.step_s))
+    notes = list(run.notes) + _artifacts(cell, lambda: step(batch), device, settings, timing, memory)
     return Outcome(
         status="ok", precision=run.precision, memory=memory, speed=speed, device_name=_device_name(device),
         driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
-        wall_time_s=time.perf_counter() - started, notes=run.notes, serving=serving,
+        wall_time_s=time.perf_counter() - started, notes=notes, serving=serving,
         nvml=sampler.figures() if source is not None else None,
         samples_timed=len(timing.step_s) * cell.batch_size)
+
+
+def _artifacts(cell: ResolvedCell, one_step, device: torch.device, settings: MeasureSettings, timing,
+               memory: MemoryFigures) -> list[str]:
+    """The files asked for beside the rows (after the timed steps, so they cost no timed time); notes
+    saying where they are."""
+    notes = []
+    folder, cell_id = Path(settings.artifacts_dir or "."), cell.cell.cell_id
+    figures = {"peak_allocated": memory.peak_allocated, "peak_reserved": memory.peak_reserved,
+               "params": memory.params, "activations": memory.activations}
+    wanted = [("memory timeline", settings.memory_timeline,
+               lambda: artifacts.memory_timeline(one_step, device, folder, cell_id)),
+              ("profiler trace", settings.profile, lambda: artifacts.profiler_trace(one_step, device, folder, cell_id)),
+              ("TensorBoard scalars", settings.tensorboard_dir, lambda: [artifacts.tensorboard_scalars(
+                  Path(settings.tensorboard_dir), cell_id, timing.step_s, figures)])]
+    for name, asked, keep in wanted:
+        if not asked:
+            continue
+        try:
+            notes += keep()
+        except Exception as exc:  # the cell's figures are measured already: a lost artifact must not lose them
+            notes.append(f"{name} not kept: {type(exc).__name__}: {str(exc)[:200]}")
+    return notes
 
 
 def _timed(step: Step, batch, settings: MeasureSettings, device: torch.device):
