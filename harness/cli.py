@@ -190,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument("--eager", action="store_true", help="eager decode instead of compiled (CUDA graphs)")
     matrix.add_argument("--out", type=_folder, default=None, metavar="FILE.csv|.parquet", help="keep the frame")
 
+    frag = sub.add_parser("fragmentation", help="the fragmentation probe (guide's scenario, variable-length "
+                                                "training) under each allocator setting; judges C4")
+    frag.add_argument("--gpu", default=None, help="profile id whose capacity the projected probe uses (default: the "
+                                                  "local GPU, else h100-sxm)")
+    frag.add_argument("--size", default="gpt2-124m", help="gpt size of the variable-length loop (default gpt2-124m)")
+    frag.add_argument("--batch-size", type=_count, default=8)
+    frag.add_argument("--measure", action="store_true", help="also run the guide's scenario on this machine's CUDA "
+                                                             "device, one process per allocator setting")
+    frag.add_argument("--out", type=_folder, default=None, metavar="FILE.csv",
+                      help="keep the rows (the report draws fragmentation.csv found in a results folder)")
+
     report = sub.add_parser("report", help="merge results files into one HTML report")
     report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
     report.add_argument("--out", type=_folder, required=True, metavar="FILE.html")
@@ -446,9 +457,18 @@ def cmd_report(args) -> int:
     repeated = len(merged) - len(unique)
     matrix = pd.concat(matrices, ignore_index=True).drop_duplicates(["size", "gpu", "weights"], keep="last") \
         if matrices else None
+    from reports.fragmentation import FILE as FRAGMENTATION_FILE
     from reports.timelines import timeline_files
 
-    write_report([unique], args.out, matrix, timeline_files(args.results))
+    probes = []
+    for path in args.results:
+        if (path / FRAGMENTATION_FILE).is_file():
+            try:
+                probes.append(pd.read_csv(path / FRAGMENTATION_FILE))
+            except (OSError, ValueError) as exc:  # a damaged side file must not cost the report
+                print(f"headroom: skipped {printable(str(path / FRAGMENTATION_FILE))}: {exc}", file=sys.stderr)
+    write_report([unique], args.out, matrix, timeline_files(args.results),
+                 pd.concat(probes, ignore_index=True) if probes else None)
     counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
     print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
     return 0
@@ -499,6 +519,12 @@ def cmd_env(args) -> int:
     return 0
 
 
+def cmd_fragmentation(args) -> int:
+    from harness.cli_serving import cmd_fragmentation as command
+
+    return command(args)
+
+
 def cmd_serve_matrix(args) -> int:
     from harness.cli_serving import cmd_serve_matrix as command
 
@@ -506,7 +532,7 @@ def cmd_serve_matrix(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "project": cmd_project, "report": cmd_report, "ledger": _speed("cmd_ledger"),
-            "serve-matrix": cmd_serve_matrix,
+            "serve-matrix": cmd_serve_matrix, "fragmentation": cmd_fragmentation,
             "calibrate": _speed("cmd_calibrate"),
             "profiles": cmd_profiles,
             "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env}

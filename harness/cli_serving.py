@@ -100,3 +100,47 @@ def run_matrix(plan, profiles, out, console, full: bool):
     atomic_write_text(out / MATRIX_FILE, matrix.to_csv(index=False))
     console.print(f"serving matrix: {len(matrix)} rows -> {printable(str(out / MATRIX_FILE))}")
     return matrix
+
+
+def cmd_fragmentation(args) -> int:
+    """`headroom fragmentation`: the probe's rows printed (and kept with --out), then C4's verdict."""
+    import dataclasses
+
+    import pandas as pd
+
+    from harness.cell import Cell
+    from harness.fragmentation import SETTINGS, judge_c4, measure_guide_scenario, projected_probe
+    from harness.profiles import detect_local
+
+    profiles = _profiles(args)
+    local = detect_local(profiles)
+    gpu = args.gpu or (local.id if local.vendor != "cpu" else "h100-sxm")
+    if gpu not in profiles or profiles[gpu].vendor == "cpu":
+        raise UsageError(f"--gpu {gpu}: the probe needs a GPU profile (with a memory size); see headroom profiles")
+    if args.measure and local.vendor != "nvidia":
+        raise UsageError("--measure runs the guide's scenario on a CUDA device; this machine has none "
+                         "(the projected probe runs without it)")
+    cell = Cell("gpt", args.size, "train", "amp-bf16", gpu, args.batch_size, source="projected").resolve(profiles)
+    started = time.perf_counter()
+    results = projected_probe(profiles[gpu], cell)
+    if args.measure:
+        results += [measure_guide_scenario(setting) for setting in SETTINGS]
+    frame = pd.DataFrame([{**dataclasses.asdict(r), "waste": r.waste, "gpu": gpu} for r in results])
+    shown = frame.assign(**{
+        "reserved GiB": frame["peak_reserved_bytes"] / 2**30,
+        "allocated at that peak GiB": frame["allocated_at_reserved_peak_bytes"] / 2**30,
+        "waste": [f"{w:.0%}" for w in frame["waste"]],
+        "most held free GiB": frame["most_held_free_bytes"] / 2**30,
+        "largest free block GiB": frame["largest_free_block_bytes"] / 2**30})
+    columns = ["scenario", "allocator", "source", "reserved GiB", "allocated at that peak GiB", "waste",
+               "most held free GiB", "largest free block GiB", "retries", "oom"]
+    with pd.option_context("display.width", 250, "display.max_colwidth", 60, "display.float_format", "{:,.2f}".format):
+        print(shown[columns].to_string(index=False))
+    print(f"\nC4 (fragmentation wastes 30-50% of GPU memory): {judge_c4(results)}")
+    print(f"done in {time.perf_counter() - started:.0f}s (projected rows: the allocator model on {gpu}'s capacity; "
+          "the guide's scenario on a device with room for one more 1 GiB tensor)", file=sys.stderr)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(args.out, index=False)
+        print(f"rows -> {printable(str(args.out))}", file=sys.stderr)
+    return 0

@@ -87,11 +87,13 @@ def _ranges(frame: pd.DataFrame) -> pd.DataFrame:
             strict=True)])
 
 
-def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timelines: list[Path] = ()) -> dict:
+def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timelines: list[Path] = (),
+                  fragmentation: pd.DataFrame | None = None) -> dict:
     """Everything the template shows, already formatted; `matrix` is a serving fit matrix
     (harness/serve_matrix.py) to draw and judge the guide's C1 with; `timelines` are kept memory
     timelines (--memory-timeline) to draw."""
     from harness.serve_matrix import judge_matrix
+    from reports.fragmentation import fragmentation_section
     from reports.serving import generation_rows, matrix_section
     from reports.timelines import timeline_charts
 
@@ -126,6 +128,7 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
         "generation": generation_rows(frame) if len(frame) else None,
         "serve_matrix": matrix_section(matrix, judge_matrix(matrix)) if matrix is not None else None,
         "timelines": [dict(chart, peak=fmt.bytes_(chart["peak"])) for chart in timeline_charts(list(timelines))],
+        "fragmentation": fragmentation_section(fragmentation),
     }
 
 
@@ -134,19 +137,20 @@ def environment_for_templates() -> jinja2.Environment:
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
 
-def render(frames: list[pd.DataFrame], matrix: pd.DataFrame | None = None, timelines: list[Path] = ()) -> str:
-    context = build_context(merge(frames), matrix, timelines)
+def render(frames: list[pd.DataFrame], matrix: pd.DataFrame | None = None, timelines: list[Path] = (),
+           fragmentation: pd.DataFrame | None = None) -> str:
+    context = build_context(merge(frames), matrix, timelines, fragmentation)
     return environment_for_templates().get_template("report.html.j2").render(**context)
 
 
 def write_report(frames: list[pd.DataFrame], out: Path, matrix: pd.DataFrame | None = None,
-                 timelines: list[Path] = ()) -> Path:
+                 timelines: list[Path] = (), fragmentation: pd.DataFrame | None = None) -> Path:
     """Render and write atomically; the folder must exist or be creatable."""
     from harness.records import atomic_write_text
 
     out = Path(out)
     try:
-        atomic_write_text(out, render(frames, matrix, timelines))
+        atomic_write_text(out, render(frames, matrix, timelines, fragmentation))
     except OSError as exc:
         raise ValueError(f"cannot write report {out} ({exc.strerror}); choose another --out") from None
     return out
