@@ -102,6 +102,16 @@ def _folder(text: str) -> Path:
     return Path(text)
 
 
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a price in USD such as 0.15, got {text!r}") from None
+    if not 0 < value < 1e3 or value != value:
+        raise argparse.ArgumentTypeError(f"expected a positive price below 1000 USD, got {text!r}")
+    return value
+
+
 def _add_generation_flags(parser) -> None:
     parser.add_argument("--prompt-len", type=_count, default=None,
                         help="serving (--mode infer of gpt): prompt tokens prefilled into the KV cache "
@@ -154,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "a memory snapshot for PyTorch's memory_viz); the report draws them")
     run.add_argument("--profile", action="store_true", help="keep a profiler trace of 3 steps per measured cell in "
                                                            "traces/ (Chrome trace format)")
+    run.add_argument("--usd-per-kwh", type=_price, default=None, metavar="USD",
+                     help="electricity price: measured CUDA rows then cost their NVML energy per million samples")
     run.add_argument("--tensorboard", type=_folder, default=None, metavar="DIR",
                      help="write each measured cell's step times and memory as TensorBoard scalars under DIR")
     run.add_argument("--serve-matrix", action="store_true",
@@ -196,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "local GPU, else h100-sxm)")
     frag.add_argument("--size", default="gpt2-124m", help="gpt size of the variable-length loop (default gpt2-124m)")
     frag.add_argument("--batch-size", type=_count, default=8)
-    frag.add_argument("--measure", action="store_true", help="also run the guide's scenario on this machine's CUDA "
-                                                             "device, one process per allocator setting")
+    frag.add_argument("--measure", action="store_true", help="also run both scenarios on this machine's CUDA device, "
+                                                             "one process per allocator setting")
     frag.add_argument("--out", type=_folder, default=None, metavar="FILE.csv",
                       help="keep the rows (the report draws fragmentation.csv found in a results folder)")
 
@@ -313,7 +325,7 @@ def cmd_run(args) -> int:
     gpus = resolve_gpus(args.gpu, profiles) if args.gpu else None
     settings = MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats,
                                noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD,
-                               memory_timeline=args.memory_timeline, profile=args.profile,
+                               memory_timeline=args.memory_timeline, profile=args.profile, usd_per_kwh=args.usd_per_kwh,
                                tensorboard_dir=str(args.tensorboard.resolve()) if args.tensorboard else None)
     plan = plan_run(local, gpus, workloads=(args.workload or []) + _user_workloads(args) or None,
                     stacks=args.technique, modes=args.mode, scale=args.scale, sizes=args.size,

@@ -109,7 +109,14 @@ def cmd_fragmentation(args) -> int:
     import pandas as pd
 
     from harness.cell import Cell
-    from harness.fragmentation import SETTINGS, judge_c4, measure_guide_scenario, projected_probe
+    from harness.fragmentation import (
+        SETTINGS,
+        judge_c4,
+        measure_guide_scenario,
+        measure_loop,
+        projected_probe,
+        variable_length_events,
+    )
     from harness.profiles import detect_local
 
     profiles = _profiles(args)
@@ -124,7 +131,9 @@ def cmd_fragmentation(args) -> int:
     started = time.perf_counter()
     results = projected_probe(profiles[gpu], cell)
     if args.measure:
+        _, lengths = variable_length_events(cell)
         results += [measure_guide_scenario(setting) for setting in SETTINGS]
+        results += [measure_loop(setting, args.size, args.batch_size, lengths) for setting in SETTINGS]
     frame = pd.DataFrame([{**dataclasses.asdict(r), "waste": r.waste, "gpu": gpu} for r in results])
     shown = frame.assign(**{
         "reserved GiB": frame["peak_reserved_bytes"] / 2**30,

@@ -187,21 +187,74 @@ def measure_guide_scenario(setting: str, tensors: int = GUIDE_TENSORS, request: 
 
     if not torch.cuda.is_available():
         raise RuntimeError("measuring fragmentation needs a CUDA device; none here (the projected probe runs anywhere)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-    if CONF[setting]:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = CONF[setting]
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(tensors), str(request)], env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
+    figures = _run_child(_CHILD, [str(tensors), str(request)], setting, timeout_s)
     scenario = GUIDE_SCENARIO if (tensors, request) == (GUIDE_TENSORS, GUIDE_REQUEST) else (
         f"guide: {tensors} x 1 GiB, free every other, ask {request / GiB:g} GiB")
-    if done.returncode:
-        oom = "out of memory" in done.stderr.lower()
-        if not oom:
-            raise RuntimeError(f"the fragmentation probe failed under {setting}: {done.stderr.strip()[-300:]}")
+    if figures is None:
         return FragmentationResult(scenario, setting, "measured", 0, 0, None, None, oom=True)
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
     return FragmentationResult(scenario, setting, "measured", figures["reserved"], figures["allocated"],
                                figures["largest"], figures["retries"])
+
+
+_LOOP_CHILD = r"""
+import json, sys, torch
+from suites.workloads import get_workload
+from suites.techniques.base import default_optimizer
+workload = get_workload("gpt")
+spec = workload.size(sys.argv[1])
+batch, lengths = int(sys.argv[2]), [int(v) for v in sys.argv[3].split(",")]
+model = workload.build(spec).cuda()
+optimizer = default_optimizer(model.parameters())
+generator = torch.Generator().manual_seed(0)
+for length in lengths:
+    step_spec = spec.__class__(**{**spec.__dict__, "seq_len": length})
+    data = {k: v.cuda() for k, v in workload.batch(step_spec, batch, generator).items()}
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = workload.loss(model, data)
+    loss.backward()
+    optimizer.step()
+torch.cuda.synchronize()
+stats = torch.cuda.memory_stats()
+largest = max((b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"] if b["state"] == "inactive"),
+              default=0)
+print(json.dumps({"reserved": stats["reserved_bytes.all.peak"], "allocated": stats["allocated_bytes.all.peak"],
+                  "retries": stats["num_alloc_retries"], "largest": largest}))
+"""
+
+
+def measure_loop(setting: str, size: str, batch: int, lengths: list[int],
+                 timeout_s: float = 300) -> FragmentationResult:
+    """The variable-length loop trained for real on this machine's CUDA device under `setting` (bf16
+    autocast, AdamW, as the projected loop): peak reserved and allocated over the loop (their peaks may
+    fall at different moments: the measured waste is the gap between the two peaks)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("measuring fragmentation needs a CUDA device; none here (the projected probe runs anywhere)")
+    figures = _run_child(_LOOP_CHILD, [size, str(batch), ",".join(map(str, lengths))], setting, timeout_s)
+    scenario = f"variable-length training: gpt {size} batch {batch}, lengths {','.join(map(str, lengths))}"
+    if figures is None:
+        return FragmentationResult(scenario, setting, "measured", 0, 0, None, None, oom=True)
+    return FragmentationResult(scenario, setting, "measured", figures["reserved"], figures["allocated"],
+                               figures["largest"], figures["retries"])
+
+
+def _run_child(code: str, argv: list[str], setting: str, timeout_s: float) -> dict | None:
+    """Run `code` in a Python of its own with `setting` in its environment: its JSON figures, None on OOM."""
+    from harness.provenance import REPO_ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    if CONF[setting]:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = CONF[setting]
+    done = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode:
+        if "out of memory" in done.stderr.lower():
+            return None
+        raise RuntimeError(f"the fragmentation probe failed under {setting}: {done.stderr.strip()[-300:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def judge_c4(results: list[FragmentationResult]) -> str:

@@ -108,6 +108,7 @@ class Outcome:
     serving: ServingFigures | None = None  # a served decoder's generation
     nvml: NvmlFigures | None = None  # measured CUDA only: what NVML saw over the timed steps
     samples_timed: int | None = None  # samples the timed steps processed (energy per sample)
+    usd_per_kwh: float | None = None  # the electricity price energy is costed at (`--usd-per-kwh`)
 
 
 def failure(status: str, reason: str, **values) -> Outcome:
@@ -129,7 +130,7 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
     if outcome.memory is not None:
         values.update(_memory_columns(outcome.memory))
     if outcome.nvml is not None:
-        values.update(_nvml_columns(outcome.nvml, outcome.samples_timed, notes))
+        values.update(_nvml_columns(outcome.nvml, outcome.samples_timed, outcome.usd_per_kwh, notes))
     if resolved is not None and (outcome.memory is not None or outcome.speed is not None):
         # A cell with figures (ok, or a projected oom) has its model FLOPs; MFU and cost need speed too.
         flops_per_sample = flops_per_sample_of(resolved, notes)
@@ -186,15 +187,19 @@ def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: f
                 throughput_samples_s=speed.throughput_samples_s, **derived)
 
 
-def _nvml_columns(nvml: NvmlFigures, samples: int | None, notes: list[str]) -> dict:
-    """What the driver saw: this process's memory (context included), power, energy per sample."""
+def _nvml_columns(nvml: NvmlFigures, samples: int | None, usd_per_kwh: float | None, notes: list[str]) -> dict:
+    """What the driver saw: this process's memory (context included), power, energy per sample, and
+    what that energy costs at `usd_per_kwh` (3.6 MJ per kWh)."""
+    per_sample = nvml.energy_j / samples if nvml.energy_j is not None and samples else None
     if nvml.energy_basis:
         notes.append(f"energy from the GPU's {nvml.energy_basis} over {nvml.seconds:.2f} s "
                      f"({nvml.samples} NVML samples)")
     return dict(nvml_process_bytes=nvml.process_peak_bytes, nvml_device_used_bytes=nvml.device_used_peak_bytes,
                 power_w_mean=nvml.power_w_mean,
-                energy_j_per_sample=nvml.energy_j / samples if nvml.energy_j is not None and samples else None,
-                sm_clock_mhz_mean=nvml.sm_clock_mhz_mean, temperature_c_max=nvml.temperature_c_max)
+                energy_j_per_sample=per_sample, sm_clock_mhz_mean=nvml.sm_clock_mhz_mean,
+                temperature_c_max=nvml.temperature_c_max,
+                energy_usd_per_million_samples=per_sample * 1e6 / 3.6e6 * usd_per_kwh
+                if per_sample is not None and usd_per_kwh else None)
 
 
 def _serving_columns(resolved: ResolvedCell, serving: ServingFigures, kv_bytes: int) -> dict:

@@ -116,6 +116,7 @@ class Record:
     energy_j_per_sample: float | None = None  # energy counter difference (else integrated power) / samples
     sm_clock_mhz_mean: float | None = None
     temperature_c_max: float | None = None
+    energy_usd_per_million_samples: float | None = None  # energy_j_per_sample at `headroom run --usd-per-kwh`
     # projection checked against its measured twin (same cell on the local device): projected / measured - 1
     peak_error_vs_measured: float | None = None
     step_time_error_vs_measured: float | None = None
@@ -267,7 +268,7 @@ def _v7_to_v8(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 NVML_COLUMNS = ("nvml_process_bytes", "nvml_device_used_bytes", "power_w_mean", "energy_j_per_sample",
-                "sm_clock_mhz_mean", "temperature_c_max")
+                "sm_clock_mhz_mean", "temperature_c_max", "energy_usd_per_million_samples")
 
 
 def _v8_to_v9(frame: pd.DataFrame) -> pd.DataFrame:

@@ -14,6 +14,7 @@ from harness.fragmentation import (
     guide_events,
     judge_c4,
     measure_guide_scenario,
+    measure_loop,
     replay_fragmentation,
     variable_length_events,
 )
@@ -70,6 +71,8 @@ def test_the_guide_scenario_on_the_device(setting):
     assert not result.oom and result.peak_reserved_bytes >= 6 * GiB
     if setting == "native":
         assert result.largest_free_block_bytes >= GiB  # the freed tensors' blocks stay cached
+    loop = measure_loop(setting, "gpt2-124m", 4, [512, 128, 1024, 256])
+    assert not loop.oom and loop.peak_reserved_bytes >= loop.allocated_at_reserved_peak_bytes > 0
 
 
 def test_the_command_prints_the_rows_and_c4_and_the_report_draws_them(tmp_path, capsys):

@@ -81,6 +81,9 @@ def test_rows_carry_the_readings_and_energy_per_sample():
     row = to_record(cell, outcome, "t")
     assert row.nvml_process_bytes == 5_000 and row.power_w_mean == pytest.approx(800 / 3)
     assert row.energy_j_per_sample == 5.0 and row.temperature_c_max == 52.0
+    assert row.energy_usd_per_million_samples is None  # no electricity price given
+    priced = to_record(cell, Outcome(status="ok", nvml=outcome.nvml, samples_timed=40, usd_per_kwh=0.18), "t")
+    assert priced.energy_usd_per_million_samples == pytest.approx(5.0 * 1e6 / 3.6e6 * 0.18)  # 0.25 USD
     assert "energy from the GPU's energy counter over 2.00 s (3 NVML samples)" in row.notes
 
 

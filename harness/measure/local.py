@@ -47,6 +47,7 @@ class MeasureSettings:
     memory_timeline: bool = False
     profile: bool = False
     tensorboard_dir: str | None = None
+    usd_per_kwh: float | None = None  # electricity price for the energy cost of measured CUDA rows
 
     def __post_init__(self) -> None:
         # Percentiles and the spread need enough steps: p90 of fewer than 10 is one step's time.
@@ -134,7 +135,7 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
         wall_time_s=time.perf_counter() - started, notes=notes, serving=serving,
         nvml=sampler.figures() if source is not None else None,
-        samples_timed=len(timing.step_s) * cell.batch_size)
+        samples_timed=len(timing.step_s) * cell.batch_size, usd_per_kwh=settings.usd_per_kwh)
 
 
 def _artifacts(cell: ResolvedCell, one_step, device: torch.device, settings: MeasureSettings, timing,
