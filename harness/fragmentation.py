@@ -171,10 +171,14 @@ for i in range(0, tensors, 2):
     held[i] = None
 big = torch.empty(request, dtype=torch.uint8, device="cuda")
 stats = torch.cuda.memory_stats()
-largest = max((b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"] if b["state"] == "inactive"),
-              default=0)
-print(json.dumps({"reserved": stats["reserved_bytes.all.peak"], "allocated": stats["allocated_bytes.all.current"],
-                  "retries": stats["num_alloc_retries"], "largest": largest}))
+try:  # cudaMallocAsync keeps no segments of its own to snapshot
+    largest = max((b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
+                   if b["state"] == "inactive"), default=0)
+except Exception:
+    largest = None
+print(json.dumps({"reserved": stats.get("reserved_bytes.all.peak", 0),
+                  "allocated": stats.get("allocated_bytes.all.current", 0),
+                  "retries": stats.get("num_alloc_retries"), "largest": largest}))
 """
 CONF = {"native": None, "expandable_segments": "expandable_segments:True", "cudaMallocAsync": "backend:cudaMallocAsync"}
 
@@ -216,10 +220,14 @@ for length in lengths:
     optimizer.step()
 torch.cuda.synchronize()
 stats = torch.cuda.memory_stats()
-largest = max((b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"] if b["state"] == "inactive"),
-              default=0)
-print(json.dumps({"reserved": stats["reserved_bytes.all.peak"], "allocated": stats["allocated_bytes.all.peak"],
-                  "retries": stats["num_alloc_retries"], "largest": largest}))
+try:  # cudaMallocAsync keeps no segments of its own to snapshot
+    largest = max((b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
+                   if b["state"] == "inactive"), default=0)
+except Exception:
+    largest = None
+print(json.dumps({"reserved": stats.get("reserved_bytes.all.peak", 0),
+                  "allocated": stats.get("allocated_bytes.all.peak", 0),
+                  "retries": stats.get("num_alloc_retries"), "largest": largest}))
 """
 
 
