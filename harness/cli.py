@@ -190,28 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="instead: the largest size of --workload that fits --gpu at its smallest batch")
     project.add_argument("--format", choices=("table", "json"), default="table")
 
-    matrix = sub.add_parser("serve-matrix", help="serving fit matrix: decoder sizes x GPUs x weight precision "
-                                                 "(largest batch per context, decode tokens/s, USD per M tokens)")
-    matrix.add_argument("--size", type=_csv, default=None, help="gpt size ids (default: gpt-7b, llama3-8b, gpt-13b, "
-                                                                "gpt-70b)")
-    matrix.add_argument("--gpu", type=_csv, default=None, help="profile ids or families (default: every GPU profile)")
-    matrix.add_argument("--weights", type=_csv, default=None, help="bf16, int8, int4 (default: all three)")
-    matrix.add_argument("--context", type=_csv, default=None, metavar="TOKENS,...",
-                        help="contexts (prompt + generated tokens) to find the largest batch at (default 4096,32768)")
-    matrix.add_argument("--gen-len", type=_count, default=None, help="tokens generated per sequence (default 128)")
-    matrix.add_argument("--eager", action="store_true", help="eager decode instead of compiled (CUDA graphs)")
-    matrix.add_argument("--out", type=_folder, default=None, metavar="FILE.csv|.parquet", help="keep the frame")
+    from harness import cli_fragmentation, cli_serving  # commands of their own modules
 
-    frag = sub.add_parser("fragmentation", help="the fragmentation probe (guide's scenario, variable-length "
-                                                "training) under each allocator setting; judges C4")
-    frag.add_argument("--gpu", default=None, help="profile id whose capacity the projected probe uses (default: the "
-                                                  "local GPU, else h100-sxm)")
-    frag.add_argument("--size", default="gpt2-124m", help="gpt size of the variable-length loop (default gpt2-124m)")
-    frag.add_argument("--batch-size", type=_count, default=8)
-    frag.add_argument("--measure", action="store_true", help="also run both scenarios on this machine's CUDA device, "
-                                                             "one process per allocator setting")
-    frag.add_argument("--out", type=_folder, default=None, metavar="FILE.csv",
-                      help="keep the rows (the report draws fragmentation.csv found in a results folder)")
+    cli_serving.add_parser(sub)
+    cli_fragmentation.add_parser(sub)
 
     report = sub.add_parser("report", help="merge results files into one HTML report")
     report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
@@ -396,12 +378,12 @@ def cmd_run(args) -> int:
     return EXIT_CELLS_FAILED if failed else 0
 
 
-def _speed(name: str):
-    """A command of harness/cli_speed.py, imported when it runs."""
+def _command(module: str, name: str):
+    """A command of another harness/cli_*.py module, imported when it runs."""
     def command(args) -> int:
-        from harness import cli_speed
+        import importlib
 
-        return getattr(cli_speed, name)(args)
+        return getattr(importlib.import_module(f"harness.{module}"), name)(args)
 
     return command
 
@@ -443,47 +425,6 @@ def cmd_project(args) -> int:
             print(f"{key:{width}}  {'-' if value in (None, '') else value}")
     # A projection that failed is not an answer: the row says why, the exit code that it failed.
     return EXIT_CELLS_FAILED if any(record.status == "error" for record in records) else 0
-
-
-def cmd_report(args) -> int:
-    from harness.records import read_results
-    from reports.build import write_report
-
-    out = args.out.resolve()
-    for path in args.results:
-        given = path.resolve()
-        inputs = [given / "results.parquet", given / "results.csv", given / "cells"] if path.is_dir() else [given]
-        if any(out == item or item in out.parents for item in inputs):
-            raise UsageError(f"--out {args.out} would overwrite the results it reads ({path}); choose another file")
-    import pandas as pd
-
-    from harness.serve_matrix import MATRIX_FILE, read_matrix
-
-    matrices = [read_matrix(path / MATRIX_FILE) for path in args.results if (path / MATRIX_FILE).is_file()]
-    matrices += [read_matrix(path) for path in args.serve_matrix or []]
-    frames = [read_results(path) for path in args.results]
-    # The same run given twice (a folder and its results.csv, or a copy) is one set of rows: a row equal
-    # to another in every column is the same row read twice.
-    merged = pd.concat(frames, ignore_index=True)
-    unique = merged[~merged.astype(str).duplicated(keep="first")]
-    repeated = len(merged) - len(unique)
-    matrix = pd.concat(matrices, ignore_index=True).drop_duplicates(["size", "gpu", "weights"], keep="last") \
-        if matrices else None
-    from reports.fragmentation import FILE as FRAGMENTATION_FILE
-    from reports.timelines import timeline_files
-
-    probes = []
-    for path in args.results:
-        if (path / FRAGMENTATION_FILE).is_file():
-            try:
-                probes.append(pd.read_csv(path / FRAGMENTATION_FILE))
-            except (OSError, ValueError) as exc:  # a damaged side file must not cost the report
-                print(f"headroom: skipped {printable(str(path / FRAGMENTATION_FILE))}: {exc}", file=sys.stderr)
-    write_report([unique], args.out, matrix, timeline_files(args.results),
-                 pd.concat(probes, ignore_index=True) if probes else None)
-    counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
-    print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
-    return 0
 
 
 def cmd_profiles(args) -> int:
@@ -531,21 +472,11 @@ def cmd_env(args) -> int:
     return 0
 
 
-def cmd_fragmentation(args) -> int:
-    from harness.cli_serving import cmd_fragmentation as command
-
-    return command(args)
-
-
-def cmd_serve_matrix(args) -> int:
-    from harness.cli_serving import cmd_serve_matrix as command
-
-    return command(args)
-
-
-COMMANDS = {"run": cmd_run, "project": cmd_project, "report": cmd_report, "ledger": _speed("cmd_ledger"),
-            "serve-matrix": cmd_serve_matrix, "fragmentation": cmd_fragmentation,
-            "calibrate": _speed("cmd_calibrate"),
+COMMANDS = {"run": cmd_run, "project": cmd_project, "report": _command("cli_report", "cmd_report"),
+            "ledger": _command("cli_speed", "cmd_ledger"),
+            "serve-matrix": _command("cli_serving", "cmd_serve_matrix"),
+            "fragmentation": _command("cli_fragmentation", "cmd_fragmentation"),
+            "calibrate": _command("cli_speed", "cmd_calibrate"),
             "profiles": cmd_profiles,
             "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env}
 

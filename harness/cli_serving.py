@@ -1,12 +1,26 @@
 """`headroom serve-matrix`: the serving fit matrix printed as a table, kept as a frame on request
-(harness/serve_matrix.py computes it)."""
+(harness/serve_matrix.py computes it); and a run's own matrix (`run_matrix`)."""
 
 from __future__ import annotations
 
 import sys
 import time
 
-from harness.cli import UsageError, _profiles, printable
+from harness.cli import UsageError, _count, _csv, _folder, _profiles, printable
+
+
+def add_parser(sub) -> None:
+    matrix = sub.add_parser("serve-matrix", help="serving fit matrix: decoder sizes x GPUs x weight precision "
+                                                 "(largest batch per context, decode tokens/s, USD per M tokens)")
+    matrix.add_argument("--size", type=_csv, default=None, help="gpt size ids (default: gpt-7b, llama3-8b, gpt-13b, "
+                                                                "gpt-70b)")
+    matrix.add_argument("--gpu", type=_csv, default=None, help="profile ids or families (default: every GPU profile)")
+    matrix.add_argument("--weights", type=_csv, default=None, help="bf16, int8, int4 (default: all three)")
+    matrix.add_argument("--context", type=_csv, default=None, metavar="TOKENS,...",
+                        help="contexts (prompt + generated tokens) to find the largest batch at (default 4096,32768)")
+    matrix.add_argument("--gen-len", type=_count, default=None, help="tokens generated per sequence (default 128)")
+    matrix.add_argument("--eager", action="store_true", help="eager decode instead of compiled (CUDA graphs)")
+    matrix.add_argument("--out", type=_folder, default=None, metavar="FILE.csv|.parquet", help="keep the frame")
 
 
 def _contexts(values: list[str] | None) -> tuple[int, ...] | None:
@@ -100,56 +114,3 @@ def run_matrix(plan, profiles, out, console, full: bool):
     atomic_write_text(out / MATRIX_FILE, matrix.to_csv(index=False))
     console.print(f"serving matrix: {len(matrix)} rows -> {printable(str(out / MATRIX_FILE))}")
     return matrix
-
-
-def cmd_fragmentation(args) -> int:
-    """`headroom fragmentation`: the probe's rows printed (and kept with --out), then C4's verdict."""
-    import dataclasses
-
-    import pandas as pd
-
-    from harness.cell import Cell
-    from harness.fragmentation import (
-        SETTINGS,
-        judge_c4,
-        measure_guide_scenario,
-        measure_loop,
-        projected_probe,
-        variable_length_events,
-    )
-    from harness.profiles import detect_local
-
-    profiles = _profiles(args)
-    local = detect_local(profiles)
-    gpu = args.gpu or (local.id if local.vendor != "cpu" else "h100-sxm")
-    if gpu not in profiles or profiles[gpu].vendor == "cpu":
-        raise UsageError(f"--gpu {gpu}: the probe needs a GPU profile (with a memory size); see headroom profiles")
-    if args.measure and local.vendor != "nvidia":
-        raise UsageError("--measure runs the guide's scenario on a CUDA device; this machine has none "
-                         "(the projected probe runs without it)")
-    cell = Cell("gpt", args.size, "train", "amp-bf16", gpu, args.batch_size, source="projected").resolve(profiles)
-    started = time.perf_counter()
-    results = projected_probe(profiles[gpu], cell)
-    if args.measure:
-        _, lengths = variable_length_events(cell)
-        results += [measure_guide_scenario(setting) for setting in SETTINGS]
-        results += [measure_loop(setting, args.size, args.batch_size, lengths) for setting in SETTINGS]
-    frame = pd.DataFrame([{**dataclasses.asdict(r), "waste": r.waste, "gpu": gpu} for r in results])
-    shown = frame.assign(**{
-        "reserved GiB": frame["peak_reserved_bytes"] / 2**30,
-        "allocated at that peak GiB": frame["allocated_at_reserved_peak_bytes"] / 2**30,
-        "waste": [f"{w:.0%}" for w in frame["waste"]],
-        "most held free GiB": frame["most_held_free_bytes"] / 2**30,
-        "largest free block GiB": frame["largest_free_block_bytes"] / 2**30})
-    columns = ["scenario", "allocator", "source", "reserved GiB", "allocated at that peak GiB", "waste",
-               "most held free GiB", "largest free block GiB", "retries", "oom"]
-    with pd.option_context("display.width", 250, "display.max_colwidth", 60, "display.float_format", "{:,.2f}".format):
-        print(shown[columns].to_string(index=False))
-    print(f"\nC4 (fragmentation wastes 30-50% of GPU memory): {judge_c4(results)}")
-    print(f"done in {time.perf_counter() - started:.0f}s (projected rows: the allocator model on {gpu}'s capacity; "
-          "the guide's scenario on a device with room for one more 1 GiB tensor)", file=sys.stderr)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        frame.to_csv(args.out, index=False)
-        print(f"rows -> {printable(str(args.out))}", file=sys.stderr)
-    return 0

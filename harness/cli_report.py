@@ -1,0 +1,49 @@
+"""`headroom report`: merge results folders and files (with the serving matrices, fragmentation probes
+and memory timelines kept beside them) into one HTML report (reports/build.py renders it)."""
+
+from __future__ import annotations
+
+import sys
+
+from harness.cli import UsageError, printable
+
+
+def cmd_report(args) -> int:
+    from harness.records import read_results
+    from reports.build import write_report
+
+    out = args.out.resolve()
+    for path in args.results:
+        given = path.resolve()
+        inputs = [given / "results.parquet", given / "results.csv", given / "cells"] if path.is_dir() else [given]
+        if any(out == item or item in out.parents for item in inputs):
+            raise UsageError(f"--out {args.out} would overwrite the results it reads ({path}); choose another file")
+    import pandas as pd
+
+    from harness.serve_matrix import MATRIX_FILE, read_matrix
+
+    matrices = [read_matrix(path / MATRIX_FILE) for path in args.results if (path / MATRIX_FILE).is_file()]
+    matrices += [read_matrix(path) for path in args.serve_matrix or []]
+    frames = [read_results(path) for path in args.results]
+    # The same run given twice (a folder and its results.csv, or a copy) is one set of rows: a row equal
+    # to another in every column is the same row read twice.
+    merged = pd.concat(frames, ignore_index=True)
+    unique = merged[~merged.astype(str).duplicated(keep="first")]
+    repeated = len(merged) - len(unique)
+    matrix = pd.concat(matrices, ignore_index=True).drop_duplicates(["size", "gpu", "weights"], keep="last") \
+        if matrices else None
+    from reports.fragmentation import FILE as FRAGMENTATION_FILE
+    from reports.timelines import timeline_files
+
+    probes = []
+    for path in args.results:
+        if (path / FRAGMENTATION_FILE).is_file():
+            try:
+                probes.append(pd.read_csv(path / FRAGMENTATION_FILE))
+            except (OSError, ValueError) as exc:  # a damaged side file must not cost the report
+                print(f"headroom: skipped {printable(str(path / FRAGMENTATION_FILE))}: {exc}", file=sys.stderr)
+    write_report([unique], args.out, matrix, timeline_files(args.results),
+                 pd.concat(probes, ignore_index=True) if probes else None)
+    counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
+    print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
+    return 0
