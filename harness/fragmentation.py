@@ -166,6 +166,10 @@ _CHILD = r"""
 import json, sys, torch
 tensors, request = int(sys.argv[1]), int(sys.argv[2])
 GiB = 2**30
+# The device the projection assumes: room for one more 1 GiB tensor than it holds, so the freed memory
+# must serve the request (on a whole GPU the request would simply get a fresh segment).
+total = torch.cuda.get_device_properties(0).total_memory
+torch.cuda.set_per_process_memory_fraction(min(1.0, (tensors + 1) * GiB / total))
 held = [torch.empty(GiB, dtype=torch.uint8, device="cuda") for _ in range(tensors)]
 for i in range(0, tensors, 2):
     held[i] = None

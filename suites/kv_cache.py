@@ -30,10 +30,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] as int8 with one symmetric scale per row (token and head), the scale in x's dtype."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.clamp(torch.round(x.float() / scale), -INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale.to(x.dtype)
+    """x [..., D] as int8 with one symmetric scale per row (token and head), the scale in x's dtype: rounded
+    to it before quantising, so dequantisation uses the very scale the values were rounded with."""
+    tiny = torch.finfo(x.dtype).tiny if x.is_floating_point() else torch.finfo(torch.float32).tiny
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / INT8_MAX).clamp(min=tiny).to(x.dtype)
+    q = torch.clamp(torch.round(x.float() / scale.float()), -INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
 
 
 # A custom op, not the dequantise-then-attend Python below, is what the projection's trace sees: one

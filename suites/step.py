@@ -47,12 +47,15 @@ def tf32_matmuls(enabled: bool):
 
 
 def _compiled(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`model` through torch.compile: with dynamic shapes (a decode step's cache grows by one token per
-    step) and, on CUDA, mode reduce-overhead (each shape's kernels recorded once as a CUDA graph and
-    replayed). A projection's fake-tensor model is left as it is: the trace costs the compiled step."""
+    """`model` through torch.compile, on CUDA with mode reduce-overhead (each shape's kernels recorded once
+    as a CUDA graph and replayed). Shapes are left to PyTorch's automatic dynamism: the cache length a
+    decode step reads becomes dynamic at its first recompilation, while the prefill and the one-token
+    decode keep static lengths, so `is_causal` stays a plain bool (`dynamic=True` would make it symbolic,
+    which SDPA refuses: a graph break). A projection's fake-tensor model is left as it is: the trace costs
+    the compiled step."""
     if any(is_fake(p) for p in model.parameters()):
         return model
-    return torch.compile(model, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)
+    return torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else None)
 
 
 class Step:
@@ -67,6 +70,7 @@ class Step:
         self.optimizer = run.optimizer_factory(self.model.parameters()) if self.train else None
         self.scaler = torch.amp.GradScaler(device.type) if run.loss_scaling else None
         self.generates = not self.train and run.workload.serving is not None and run.size.gen_len is not None
+        self._cache = None  # (batch size, the KV cache generations reuse)
 
     def autocast(self):
         if self.run.autocast_dtype is None:
@@ -131,6 +135,17 @@ class Step:
         return self.run.workload.serving.new_cache(self.model, batch_size, size.seq_len + size.gen_len,
                                                    self.cache_dtype, device or self.device, self.run.kv_cache)
 
+    def cache(self, batch_size: int):
+        """The step's KV cache for `batch_size` sequences, allocated once and reused by every generation, as
+        a server keeps its cache: positions past a generation's own are never read, so nothing is reset.
+        A compiled model sees it at a static address, which CUDA graphs need to write it in place."""
+        if self._cache is None or self._cache[0] != batch_size:
+            self._cache = (batch_size, self.new_cache(batch_size))
+            if self.run.compiled and self.model is not self.run.model:  # really compiled (not a trace)
+                for tensor in self._cache[1].tensors():
+                    torch._dynamo.mark_static_address(tensor)
+        return self._cache[1]
+
     def cache_bytes(self, batch_size: int) -> int:
         """Bytes of the KV cache of `batch_size` sequences (built on the meta device: no memory)."""
         return self.new_cache(batch_size, torch.device("meta")).nbytes
@@ -150,7 +165,7 @@ class Step:
 
     def _generate(self, batch: Batch, mark: Mark) -> torch.Tensor:
         prompt = batch["input_ids"]
-        cache = self.new_cache(prompt.shape[0])
+        cache = self.cache(prompt.shape[0])
         if mark:
             mark("forward_start")
         tokens = [self.prefill(cache, prompt)]

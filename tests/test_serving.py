@@ -246,6 +246,24 @@ def test_a_measured_generation_times_prefill_and_every_decode_step():
     assert row.timed_steps == 20  # 10 generations per repeat
 
 
+def test_a_compiled_generation_runs_without_graph_breaks_and_reuses_its_cache():
+    from torch._dynamo.utils import counters
+
+    spec = WORKLOAD.served(WORKLOAD.size("smoke"))
+    run = Run(workload=WORKLOAD, size=spec, mode="infer", profile=PROFILES["cpu"], model=WORKLOAD.build(spec),
+              batch_size=2)
+    parse_stack("compile").apply(run)
+    step = Step(run, torch.device("cpu"))
+    batch = WORKLOAD.batch(spec, 2, torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    counters.clear()
+    first = step(batch)
+    assert step(batch).equal(first) and first.shape == (2, spec.gen_len)
+    # A break would run part of every step eagerly (and on CUDA split it out of the graph replay).
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert step.cache(2) is step.cache(2)  # one cache for every generation, at a static address
+
+
 def test_compile_is_applied_to_real_models_only():
     spec = WORKLOAD.served(WORKLOAD.size("smoke"))
     run = Run(workload=WORKLOAD, size=spec, mode="infer", profile=PROFILES["cpu"], model=WORKLOAD.build(spec),

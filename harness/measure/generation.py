@@ -1,6 +1,7 @@
 """Timing a served decoder: time to first token (the prefill) and every decode step, per generation.
 
-Each generation allocates its KV cache, prefills the prompt and decodes the other tokens from it; the
+Each generation prefills the prompt into the step's KV cache (allocated once, as a server keeps it) and
+decodes the other tokens from it; the
 tokens stay on the device (greedy argmax feeds the next step), so on a GPU the loop runs as a server's
 does, without a host synchronisation per token, and CUDA events time each phase. Decode steps are
 timed one by one, so their p50 and p90 show how a step slows as the cache it reads grows.
@@ -61,8 +62,8 @@ def time_generation(step: Step, prompt: torch.Tensor, generations: int, repeats:
 def _generations(step: Step, prompt: torch.Tensor, generations: int, device: torch.device, prefill_s: list,
                  decode_s: list, generation_s: list) -> None:
     gen_len = step.run.size.gen_len
+    cache = step.cache(prompt.shape[0])
     for _ in range(generations):
-        cache = step.new_cache(prompt.shape[0])
         clock = _Clock(device)
         tokens = step.prefill(cache, prompt)
         clock.tick()
@@ -73,7 +74,6 @@ def _generations(step: Step, prompt: torch.Tensor, generations: int, device: tor
         prefill_s.append(laps[0])
         decode_s.extend(laps[1:])
         generation_s.append(sum(laps))
-        del cache
 
 
 class _Clock:

@@ -82,11 +82,21 @@ def open_source(device: torch.device) -> tuple[PynvmlSource | None, str]:
         import pynvml
 
         pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        handle = _handle_by_uuid(pynvml, str(torch.cuda.get_device_properties(device).uuid))
     except Exception as exc:  # library missing, driver mismatch, UUID not found
         return None, f"NVML unavailable ({type(exc).__name__}: {str(exc)[:120]})"
     return PynvmlSource(pynvml, handle, os.getpid()), ""
+
+
+def _handle_by_uuid(pynvml, uuid: str):
+    """NVML's handle of the device torch calls `uuid`: NVML names a whole GPU `GPU-<uuid>` and a MIG
+    instance `MIG-<uuid>`, torch gives the bare UUID."""
+    if uuid.startswith(("GPU-", "MIG-")):
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+    except Exception:  # pynvml.NVMLError_NotFound: a MIG instance
+        return pynvml.nvmlDeviceGetHandleByUUID(f"MIG-{uuid}")
 
 
 @dataclass(frozen=True)
