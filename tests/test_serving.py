@@ -246,14 +246,20 @@ def test_a_measured_generation_times_prefill_and_every_decode_step():
     assert row.timed_steps == 20  # 10 generations per repeat
 
 
+def _compiled_step(batch_size: int) -> Step:
+    """A smoke decoder's generation step under the `compile` technique, on the CPU."""
+    spec = WORKLOAD.served(WORKLOAD.size("smoke"))
+    run = Run(workload=WORKLOAD, size=spec, mode="infer", profile=PROFILES["cpu"], model=WORKLOAD.build(spec),
+              batch_size=batch_size)
+    parse_stack("compile").apply(run)
+    return Step(run, torch.device("cpu"))
+
+
 def test_a_compiled_generation_runs_without_graph_breaks_and_reuses_its_cache():
     from torch._dynamo.utils import counters
 
-    spec = WORKLOAD.served(WORKLOAD.size("smoke"))
-    run = Run(workload=WORKLOAD, size=spec, mode="infer", profile=PROFILES["cpu"], model=WORKLOAD.build(spec),
-              batch_size=2)
-    parse_stack("compile").apply(run)
-    step = Step(run, torch.device("cpu"))
+    step = _compiled_step(2)
+    spec = step.run.size
     batch = WORKLOAD.batch(spec, 2, torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     counters.clear()
@@ -265,12 +271,8 @@ def test_a_compiled_generation_runs_without_graph_breaks_and_reuses_its_cache():
 
 
 def test_compile_is_applied_to_real_models_only():
-    spec = WORKLOAD.served(WORKLOAD.size("smoke"))
-    run = Run(workload=WORKLOAD, size=spec, mode="infer", profile=PROFILES["cpu"], model=WORKLOAD.build(spec),
-              batch_size=1)
-    parse_stack("compile").apply(run)
-    step = Step(run, torch.device("cpu"))
-    assert run.compiled and type(step.model).__name__ == "OptimizedModule" and step.generates
+    step = _compiled_step(1)
+    assert step.run.compiled and type(step.model).__name__ == "OptimizedModule" and step.generates
     # The projection costs a compiled step without host issue time (CUDA graphs replay it).
     eager, compiled = (project(_served("gpt2-124m", t, batch=1)).generation for t in ("baseline", "compile"))
     assert compiled.decode_mean_s < eager.decode_mean_s
