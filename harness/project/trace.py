@@ -305,7 +305,8 @@ class _OpCostMode(TorchDispatchMode):
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         packet = func._overloadpacket
         name = str(packet)
-        if func.namespace == "prim" or (not outputs and not name.startswith("aten._foreach_")):
+        multi_tensor = name.startswith(("aten._foreach_", "aten._fused_"))  # one kernel per chunk of tensors
+        if func.namespace == "prim" or (not outputs and not multi_tensor):
             return out  # metadata queries (device, sizes): no kernel; in-place foreach ops return None
         flops = 0.0
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -324,7 +325,7 @@ class _OpCostMode(TorchDispatchMode):
         elif "scaled_dot_product" in name and ("for_cpu" in name or func.namespace == "headroom"):
             flops = _cpu_attention_flops(name, args)
         moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
-        kernels = foreach_kernels(args) if name.startswith("aten._foreach_") else 1
+        kernels = foreach_kernels(args) if multi_tensor else 1
         shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
                         _aligned(name, args, dtype))
         self.ops[shape] += 1

@@ -17,6 +17,7 @@ from suites.techniques import (
     dynamic_sparsity,  # T12
     groupquant,  # T9
     lowrank,  # T3
+    optimizers,  # optimizer implementations
     precision,  # T1
     pruning,  # T4
     quantization,  # T7-T8
@@ -40,6 +41,7 @@ FAMILIES = [
     dynamic_sparsity,
     serving,
     allocator,
+    optimizers,
 ]
 
 BASELINE = "baseline"
