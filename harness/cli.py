@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="electricity price: measured CUDA rows then cost their NVML energy per million samples")
     run.add_argument("--tensorboard", type=_folder, default=None, metavar="DIR",
                      help="write each measured cell's step times and memory as TensorBoard scalars under DIR")
+    run.add_argument("--accuracy", action="store_true",
+                     help="measure the accuracy of every workload and stack of the run on real data (3 seeds)")
+    run.add_argument("--no-accuracy", action="store_true",
+                     help="skip the default run's accuracy stage (int8, int4, sharing, pruning, bf16 vs the baseline)")
+    run.add_argument("--accuracy-seeds", type=_count, default=None, metavar="N",
+                     help="seeds per accuracy measurement (default 3; fewer gives no noise estimate)")
     run.add_argument("--serve-matrix", action="store_true",
                      help="also tabulate the serving fit matrix for the run's GPUs into serve_matrix.csv (a first "
                           "run on a CPU machine tabulates 13B and 70B at 4k tokens by itself)")
@@ -351,6 +357,7 @@ def cmd_run(args) -> int:
         signal.signal(getattr(signal, name), interrupt)
     records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume,
                        retry_failed=args.retry_failed)
+    accuracy = _accuracy_stage(args, plan, local, store, console)
     frame = store.write_frame()
     from harness.cli_speed import write_run_ledger
 
@@ -365,7 +372,7 @@ def cmd_run(args) -> int:
             from reports.build import write_report
             from reports.timelines import timeline_files
 
-            write_report([frame], out / "report.html", matrix, timeline_files([out]))
+            write_report([frame], out / "report.html", matrix, timeline_files([out]), accuracy=accuracy)
         except Exception as exc:  # the rows are saved; a report problem (a checkout updated mid-run) must not hide that
             console.print(f"headroom: report.html not written ({type(exc).__name__}: {str(exc)[:200]}); "
                           f"the results are saved: headroom report {out} --out FILE.html")
@@ -376,6 +383,25 @@ def cmd_run(args) -> int:
                   + ("" if args.no_report else ", report.html"))
     failed = frame["status"].isin(["error", "timeout"]).sum()
     return EXIT_CELLS_FAILED if failed else 0
+
+
+def _accuracy_stage(args, plan, local, store, console):
+    """The accuracy of the run's stacks on real data (harness/cli_accuracy.py), filled into the rows; the
+    accuracy frame, or None when the run measures none."""
+    if args.accuracy and args.no_accuracy:
+        raise UsageError("--accuracy and --no-accuracy contradict each other: give one")
+    from harness.cli_accuracy import budget_scale, requests, run_accuracy
+
+    wanted = requests(args, plan.cells)
+    if not wanted:
+        return None
+    from harness.accuracy.attach import attach_accuracy
+    from harness.accuracy.book import DEFAULT_SEEDS
+
+    book = run_accuracy(wanted, local, store.root, budget_scale(plan.scale), args.accuracy_seeds or DEFAULT_SEEDS,
+                        console)
+    attach_accuracy(store, book)
+    return book.frame()
 
 
 def _command(module: str, name: str):

@@ -32,18 +32,26 @@ def cmd_report(args) -> int:
     repeated = len(merged) - len(unique)
     matrix = pd.concat(matrices, ignore_index=True).drop_duplicates(["size", "gpu", "weights"], keep="last") \
         if matrices else None
+    from reports.accuracy import FILE as ACCURACY_FILE
     from reports.fragmentation import FILE as FRAGMENTATION_FILE
     from reports.timelines import timeline_files
 
-    probes = []
-    for path in args.results:
-        if (path / FRAGMENTATION_FILE).is_file():
-            try:
-                probes.append(pd.read_csv(path / FRAGMENTATION_FILE))
-            except (OSError, ValueError) as exc:  # a damaged side file must not cost the report
-                print(f"headroom: skipped {printable(str(path / FRAGMENTATION_FILE))}: {exc}", file=sys.stderr)
-    write_report([unique], args.out, matrix, timeline_files(args.results),
-                 pd.concat(probes, ignore_index=True) if probes else None)
+    probes, accuracy = _side_files(args.results, FRAGMENTATION_FILE), _side_files(args.results, ACCURACY_FILE)
+    write_report([unique], args.out, matrix, timeline_files(args.results), probes, accuracy=accuracy)
     counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
     print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
     return 0
+
+
+def _side_files(results, name: str):
+    """The `name` CSV files kept beside the given results folders, as one frame (None if there are none)."""
+    import pandas as pd
+
+    frames = []
+    for path in results:
+        if (path / name).is_file():
+            try:
+                frames.append(pd.read_csv(path / name))
+            except (OSError, ValueError) as exc:  # a damaged side file must not cost the report
+                print(f"headroom: skipped {printable(str(path / name))}: {exc}", file=sys.stderr)
+    return pd.concat(frames, ignore_index=True) if frames else None

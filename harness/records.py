@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 # A measured cell whose repeats' mean step times vary by more than this (coefficient of variation),
 # or whose mean step time is more than twice this off its median, is flagged `noisy`: its timings are
 # not to be trusted to a few percent (harness/measure/timing.py).
@@ -122,10 +122,20 @@ class Record:
     step_time_error_vs_measured: float | None = None
     reserved_error_vs_measured: float | None = None  # the allocator model's error: GPU twins only
     # accuracy
+    # accuracy of the stack on its workload's task (harness/accuracy): mean over seeds, spread (sample
+    # std), paired delta against the baseline with its 95% half-width, the verdict, and fidelity (top-1
+    # agreement with the baseline's predictions, KL(baseline || stack) in nats); `accuracy_basis` says what
+    # it was measured on: the task's small model, not the row's size.
     accuracy_metric: str | None = None
     accuracy: float | None = None
     accuracy_delta: float | None = None
     accuracy_noise: float | None = None
+    accuracy_seeds: int | None = None
+    accuracy_delta_ci95: float | None = None
+    accuracy_verdict: str | None = None
+    accuracy_agreement: float | None = None
+    accuracy_kl: float | None = None
+    accuracy_basis: str | None = None
     # cost
     usd_per_million_samples: float | None = None
     usd_per_million_tokens: float | None = None
@@ -279,9 +289,22 @@ def _v8_to_v9(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+ACCURACY_COLUMNS = ("accuracy_seeds", "accuracy_delta_ci95", "accuracy_verdict", "accuracy_agreement", "accuracy_kl",
+                    "accuracy_basis")
+
+
+def _v9_to_v10(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 10 added the accuracy measurement's seeds, interval, verdict, fidelity and basis; no row had an
+    accuracy before it (unknown)."""
+    for column in ACCURACY_COLUMNS:
+        frame[column] = None
+    frame["schema_version"] = 10
+    return frame
+
+
 # version -> function taking a frame of that version to the next one.
 MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6, 6: _v6_to_v7, 7: _v7_to_v8,
-              8: _v8_to_v9}
+              8: _v8_to_v9, 9: _v9_to_v10}
 
 
 def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:

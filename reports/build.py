@@ -88,11 +88,12 @@ def _ranges(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timelines: list[Path] = (),
-                  fragmentation: pd.DataFrame | None = None) -> dict:
+                  fragmentation: pd.DataFrame | None = None, accuracy: pd.DataFrame | None = None) -> dict:
     """Everything the template shows, already formatted; `matrix` is a serving fit matrix
     (harness/serve_matrix.py) to draw and judge the guide's C1 with; `timelines` are kept memory
-    timelines (--memory-timeline) to draw."""
+    timelines (--memory-timeline) to draw; `accuracy` is accuracy.csv's rows (harness/accuracy)."""
     from harness.serve_matrix import judge_matrix
+    from reports.accuracy import accuracy_section
     from reports.fragmentation import fragmentation_section
     from reports.serving import generation_rows, matrix_section
     from reports.timelines import timeline_charts
@@ -129,6 +130,7 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
         "serve_matrix": matrix_section(matrix, judge_matrix(matrix)) if matrix is not None else None,
         "timelines": [dict(chart, peak=fmt.bytes_(chart["peak"])) for chart in timeline_charts(list(timelines))],
         "fragmentation": fragmentation_section(fragmentation),
+        "quality": accuracy_section(accuracy),
     }
 
 
@@ -138,19 +140,20 @@ def environment_for_templates() -> jinja2.Environment:
 
 
 def render(frames: list[pd.DataFrame], matrix: pd.DataFrame | None = None, timelines: list[Path] = (),
-           fragmentation: pd.DataFrame | None = None) -> str:
-    context = build_context(merge(frames), matrix, timelines, fragmentation)
+           fragmentation: pd.DataFrame | None = None, accuracy: pd.DataFrame | None = None) -> str:
+    context = build_context(merge(frames), matrix, timelines, fragmentation, accuracy)
     return environment_for_templates().get_template("report.html.j2").render(**context)
 
 
 def write_report(frames: list[pd.DataFrame], out: Path, matrix: pd.DataFrame | None = None,
-                 timelines: list[Path] = (), fragmentation: pd.DataFrame | None = None) -> Path:
+                 timelines: list[Path] = (), fragmentation: pd.DataFrame | None = None,
+                 accuracy: pd.DataFrame | None = None) -> Path:
     """Render and write atomically; the folder must exist or be creatable."""
     from harness.records import atomic_write_text
 
     out = Path(out)
     try:
-        atomic_write_text(out, render(frames, matrix, timelines, fragmentation))
+        atomic_write_text(out, render(frames, matrix, timelines, fragmentation, accuracy))
     except OSError as exc:
         raise ValueError(f"cannot write report {out} ({exc.strerror}); choose another --out") from None
     return out

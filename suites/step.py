@@ -129,11 +129,13 @@ class Step:
         floating = (p.dtype for p in self.model.parameters() if p.is_floating_point())
         return self.run.autocast_dtype or next(floating, torch.float32)
 
-    def new_cache(self, batch_size: int, device: torch.device | None = None):
-        """A KV cache for the whole context (prompt + generated tokens) of `batch_size` sequences."""
+    def new_cache(self, batch_size: int, device: torch.device | None = None, context: int | None = None):
+        """A KV cache for `context` tokens (default: the whole prompt + generated tokens) of `batch_size`
+        sequences."""
         size = self.run.size
-        return self.run.workload.serving.new_cache(self.model, batch_size, size.seq_len + size.gen_len,
-                                                   self.cache_dtype, device or self.device, self.run.kv_cache)
+        context = context or size.seq_len + size.gen_len
+        return self.run.workload.serving.new_cache(self.model, batch_size, context, self.cache_dtype,
+                                                   device or self.device, self.run.kv_cache)
 
     def cache(self, batch_size: int):
         """The step's KV cache for `batch_size` sequences, allocated once and reused by every generation, as
@@ -158,10 +160,14 @@ class Step:
         """Feed `tokens` [B, 1] at `position`; the next token [B, 1]."""
         return self._next_token(tokens, cache, position)
 
-    def _next_token(self, tokens: torch.Tensor, cache, start: int) -> torch.Tensor:
+    def next_logits(self, tokens: torch.Tensor, cache, start: int) -> torch.Tensor:
+        """The next-token logits [B, vocab] after feeding `tokens` [B, S] at `start` (a prefill when
+        start is 0 and S > 1, a decode step when S is 1), as the served model computes them."""
         with tf32_matmuls(self.run.tf32), torch.inference_mode(), self.autocast():
-            logits = self.run.workload.serving.forward(self.model, tokens, cache, start)
-            return logits.argmax(dim=-1, keepdim=True)
+            return self.run.workload.serving.forward(self.model, tokens, cache, start)
+
+    def _next_token(self, tokens: torch.Tensor, cache, start: int) -> torch.Tensor:
+        return self.next_logits(tokens, cache, start).argmax(dim=-1, keepdim=True)
 
     def _generate(self, batch: Batch, mark: Mark) -> torch.Tensor:
         prompt = batch["input_ids"]

@@ -353,3 +353,45 @@ def test_serving_sections_show_generations_and_the_matrix_with_c1():
     table = sections["Serving: which GPU holds which model (projected)"][0]
     assert _row_by(table, "size", "gpt-70b")["largest batch at 4k"] == "does not fit"
     assert "contradicted by 3.1x" in html and "<svg" in html and XSS not in html
+
+
+def _accuracy_row(technique: str, delta: float, ci: float, workload: str = "bert", **kw) -> dict:
+    return dict(workload=workload, technique=technique, status="ok", reason="", task="stdlib-bytes-mlm",
+                metric="masked-byte-accuracy", higher_is_better=True, budget="smoke", seeds=3, steps=800,
+                values="", accuracy=0.3 + delta, accuracy_std=0.01, baseline=0.3, delta=delta, delta_ci95=ci,
+                verdict="within noise", agreement=0.9, kl=0.01, wall_s=1.0, data="d", device="cpu", notes="", **kw)
+
+
+def test_c6_and_c9_are_judged_on_the_intervals_of_bert_rows():
+    import pandas as pd
+
+    from reports.accuracy import accuracy_section, judge_c6, judge_c9
+
+    rows = pd.DataFrame([_accuracy_row("baseline", 0.0, 0.0), _accuracy_row("param-sharing", -0.010, 0.004),
+                         _accuracy_row("ptq-int8", -0.001, 0.002), _accuracy_row("qat-int8", -0.02, 0.005)])
+    assert judge_c6(rows).startswith("consistent with the guide's 1.2-point cost")
+    c9 = judge_c9(rows)
+    assert "ptq-int8: supported" in c9 and "qat-int8: contradicted" in c9
+    cheaper = pd.DataFrame([_accuracy_row("param-sharing", -0.001, 0.002)])
+    assert judge_c6(cheaper).startswith("supported as an upper bound")
+    dearer = pd.DataFrame([_accuracy_row("param-sharing", -0.05, 0.01)])
+    assert judge_c6(dearer).startswith("contradicted")
+    wide = pd.DataFrame([_accuracy_row("ptq-int8", -0.004, 0.01)])
+    assert "inconclusive" in judge_c9(wide)
+    assert judge_c9(pd.DataFrame([_accuracy_row("ptq-int8", 0.0, 0.0, workload="gpt")])).startswith("not measured")
+    section = accuracy_section(rows)
+    assert len(section["rows"]) == 4 and section["rows"][1]["cells"][5] == "-1.00 ± 0.4 pts"
+
+
+def test_cost_at_quality_keeps_stacks_within_noise_of_the_baseline():
+    import pandas as pd
+
+    from reports.accuracy import cost_at_quality
+
+    rows = pd.DataFrame([_record(technique=t, accuracy_verdict=v, usd_per_million_samples=c, accuracy_metric="top1",
+                                 accuracy=0.9) for t, v, c in (("baseline", "reference", 2.0),
+                                                               ("ptq-int8", "within noise", 1.0),
+                                                               ("group-quant-int4", "degrades by 2.00 pts", 0.5))])
+    kept = cost_at_quality(rows)
+    assert list(kept["technique"]) == ["baseline", "ptq-int8"]
+    assert kept["usd_per_million_samples"].min() == 1.0

@@ -54,8 +54,8 @@ def test_registry():
     assert [w.traits.convolutional for w in WORKLOADS.values()] == [True, False, False]
     assert [w.traits.batch_norm for w in WORKLOADS.values()] == [True, False, False]
     assert [w.traits.depth_key for w in WORKLOADS.values()] == [None, "n_layer", "n_layer"]
-    assert get_workload("gpt").accuracy_metric == "next-token-accuracy"
-    assert get_workload("bert").accuracy_metric == "mlm-accuracy"
+    assert get_workload("gpt").accuracy_metric == "bits-per-byte"
+    assert get_workload("bert").accuracy_metric == "masked-byte-accuracy"
     assert get_workload("resnet50").accuracy_metric == "top1"
     with pytest.raises(ValueError, match="unknown workload 'xyz'; valid: resnet50, bert, gpt$"):
         get_workload("xyz")

@@ -107,6 +107,11 @@ class Technique:
         guide: the guide's id (T1...).
         order: position within the phase (lower first): sparsity masks the float weights (0) before
             quantisation stores them (1) or fp8 swaps the layers (2).
+        post_training: it compresses a trained model for deployment (quantisation, pruning, low-rank,
+            2:4, served weights and cache), so accuracy is measured on the trained baseline it is applied
+            to, not by training with it from scratch.
+        fine_tune: its recipe fine-tunes after applying it (pruning and low-rank recover, 2:4 retrains
+            with its mask, QAT fine-tunes with fake quantisation); only for post-training techniques.
     """
 
     id: str
@@ -118,6 +123,12 @@ class Technique:
     exclusive: str | None = None
     guide: str = ""
     order: int = 0
+    post_training: bool = False
+    fine_tune: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fine_tune and not self.post_training:
+            raise ValueError(f"technique {self.id!r}: fine_tune applies to post-training techniques only")
 
 
 def always(profile: GpuProfile, workload: Workload, mode: str) -> str | None:

@@ -266,12 +266,14 @@ def _check_group(name: str):
 GROUP_QUANT = Technique(
     id="group-quant", phase=Phase.COMPRESS, order=1, changes_numerics=True, guide="T9",
     summary=f"weight-only int8 with one scale per {GROUP_SIZES[8]} inputs (torchao, else hand-written)",
-    check=_check_group("group-quant"), apply=_group_quant(8), exclusive="quantization")
+    check=_check_group("group-quant"), apply=_group_quant(8), exclusive="quantization",
+    post_training=True)
 
 GROUP_QUANT_INT4 = Technique(
     id="group-quant-int4", phase=Phase.COMPRESS, order=1, changes_numerics=True, guide="T9",
     summary=f"weight-only int4 with one scale per {GROUP_SIZES[4]} inputs (torchao tinygemm on CUDA, "
             "else packed nibbles)",
-    check=_check_group("group-quant-int4"), apply=_group_quant(4), exclusive="quantization")
+    check=_check_group("group-quant-int4"), apply=_group_quant(4), exclusive="quantization",
+    post_training=True)
 
 TECHNIQUES = (GROUP_QUANT, GROUP_QUANT_INT4)

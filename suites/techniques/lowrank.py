@@ -141,6 +141,6 @@ LOW_RANK = Technique(
     id="low-rank", phase=Phase.STRUCTURE, changes_numerics=True, guide="T3",
     summary=f"truncated-SVD factorisation of the blocks' Linear / 1x1-conv weights "
             f"(rank {DEFAULT_RANK_RATIO:.0%} of min(in, out))",
-    check=always, apply=_apply)
+    check=always, apply=_apply, post_training=True, fine_tune=True)
 
 TECHNIQUES = (LOW_RANK,)

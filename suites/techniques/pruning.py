@@ -256,6 +256,6 @@ STRUCTURED_PRUNING = Technique(
     id="structured-pruning", phase=Phase.STRUCTURE, changes_numerics=True, guide="T4",
     summary=f"remove the {DEFAULT_HEAD_FRACTION:.0%} lowest-norm heads and {DEFAULT_NEURON_FRACTION:.0%} of MLP "
             f"neurons (ResNet: inner conv channels), rebuilding smaller dense layers",
-    check=_check, apply=_apply)
+    check=_check, apply=_apply, post_training=True, fine_tune=True)
 
 TECHNIQUES = (STRUCTURED_PRUNING,)

@@ -322,7 +322,7 @@ QAT_INT8 = Technique(
     id="qat-int8", phase=Phase.COMPRESS, order=1, changes_numerics=True, guide="T7",
     summary="quantisation-aware training: int8 fake quantisation of Linear/Conv2d weights (per channel) "
             "and inputs (per tensor)",
-    check=always, apply=_apply_qat, exclusive="quantization")
+    check=always, apply=_apply_qat, exclusive="quantization", post_training=True, fine_tune=True)
 
 PTQ_INT8 = Technique(
     id="ptq-int8", phase=Phase.COMPRESS, order=1, changes_numerics=True, guide="T8",
@@ -330,6 +330,6 @@ PTQ_INT8 = Technique(
     check=_inference_only("ptq-int8", "post-training quantisation turns a trained model into an int8 "
                                       "inference model whose integer weights get no gradients (use qat-int8 "
                                       "to train with quantisation)"),
-    apply=_apply_ptq, exclusive="quantization")
+    apply=_apply_ptq, exclusive="quantization", post_training=True)
 
 TECHNIQUES = (QAT_INT8, PTQ_INT8)

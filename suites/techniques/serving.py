@@ -76,13 +76,13 @@ BF16_WEIGHTS = Technique(
     id="bf16-weights", phase=Phase.COMPRESS, order=0, changes_numerics=True, guide="T1",
     summary="serve the model in bf16 (weights cast, no fp32 master copy), as inference servers do",
     check=_check_weights("bf16-weights", _check_bf16), apply=_weights_in(torch.bfloat16, "bf16"),
-    exclusive="precision")
+    exclusive="precision", post_training=True)
 
 FP16_WEIGHTS = Technique(
     id="fp16-weights", phase=Phase.COMPRESS, order=0, changes_numerics=True, guide="T1",
     summary="serve the model in fp16 (weights cast, no fp32 master copy)",
     check=_check_weights("fp16-weights", _check_fp16), apply=_weights_in(torch.float16, "fp16"),
-    exclusive="precision")
+    exclusive="precision", post_training=True)
 
 def _check_compile(profile, workload, mode):
     if mode != "infer":
@@ -101,12 +101,12 @@ def _apply_compile(run: Run) -> None:
 KV_INT8 = Technique(
     id="kv-int8", phase=Phase.STEP, changes_numerics=True, guide="T8",
     summary="a served decoder's KV cache in int8, one scale per token and head",
-    check=_check_kv_int8, apply=_apply_kv_int8)
+    check=_check_kv_int8, apply=_apply_kv_int8, post_training=True)
 
 # Inductor's fused kernels may reorder reductions: the same math, not the same bits.
 COMPILE = Technique(
     id="compile", phase=Phase.COMPILE, changes_numerics=True,
     summary="torch.compile the model for inference (CUDA graphs on GPUs), as gpt-fast-style decoders run",
-    check=_check_compile, apply=_apply_compile)
+    check=_check_compile, apply=_apply_compile, post_training=True)
 
 TECHNIQUES = (BF16_WEIGHTS, FP16_WEIGHTS, KV_INT8, COMPILE)

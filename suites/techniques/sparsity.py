@@ -243,7 +243,8 @@ def _apply_2to4(run: Run) -> None:
 SPARSITY_2TO4 = Technique(
     id="sparsity-2to4", phase=Phase.COMPRESS, changes_numerics=True, guide="T10",
     summary="2:4 semi-structured magnitude pruning of block Linear weights (sparse kernels for inference)",
-    check=_check_2to4, apply=_apply_2to4, exclusive="weight-sparsity")
+    check=_check_2to4, apply=_apply_2to4, exclusive="weight-sparsity",
+    post_training=True, fine_tune=True)
 
 
 # --- unstructured magnitude pruning (T11) -----------------------------------------------------------
@@ -404,7 +405,8 @@ def _apply_unstructured(run: Run) -> None:
 UNSTRUCTURED_PRUNING = Technique(
     id="unstructured-pruning", phase=Phase.COMPRESS, changes_numerics=True, guide="T11",
     summary=f"iterative global magnitude pruning to {SCHEDULE[-1]:.0%} (CSR Linear weights for inference)",
-    check=always, apply=_apply_unstructured, exclusive="weight-sparsity")
+    check=always, apply=_apply_unstructured, exclusive="weight-sparsity",
+    post_training=True)
 
 
 TECHNIQUES = (SPARSITY_2TO4, UNSTRUCTURED_PRUNING)

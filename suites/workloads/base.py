@@ -147,7 +147,8 @@ class Workload:
         block_lists: model -> the nn.ModuleList / nn.Sequential containers of repeated blocks.
         forward_flops_per_sample: size -> analytic matmul/conv FLOPs of one forward pass per sample.
         train_flops_per_sample: size -> FLOPs of forward + backward per sample.
-        accuracy_metric: name of the metric of its accuracy task (`top1`, `mlm-accuracy`, ...).
+        accuracy_metric: name of the metric of its accuracy task (`top1`, `masked-byte-accuracy`, ...);
+            the task itself (its data, model size and budget) is in suites/tasks.
         serving: how it is served token by token (decoders), or None: its inference is one forward.
         traits: what techniques and the projection need to know about it (see `Traits`).
     """

@@ -212,7 +212,7 @@ WORKLOAD = Workload(
     block_lists=block_lists,
     forward_flops_per_sample=forward_flops_per_sample,
     train_flops_per_sample=train_flops_per_sample,
-    accuracy_metric="mlm-accuracy",
+    accuracy_metric="masked-byte-accuracy",
     traits=Traits(uniform_blocks=True, depth_key="n_layer", max_seq_key="max_positions",
                   attention=AttentionRoles(qkv="qkv", out="proj", heads="n_head"), mlp=MlpRoles(up="up", down="down")),
 )

@@ -374,7 +374,7 @@ WORKLOAD = Workload(
     block_lists=block_lists,
     forward_flops_per_sample=forward_flops_per_sample,
     train_flops_per_sample=train_flops_per_sample,
-    accuracy_metric="next-token-accuracy",
+    accuracy_metric="bits-per-byte",
     serving=Serving(new_cache=new_cache, forward=serve_forward, gathered_bytes=gathered_bytes),
     traits=Traits(uniform_blocks=True, depth_key="n_layer", max_seq_key="block_size",
                   attention=AttentionRoles(qkv="qkv", out="proj", heads="n_head", kv_groups="kv_groups"),

@@ -1,0 +1,50 @@
+"""`headroom run`'s accuracy stage: which workload and stacks to measure, on what budget, and the rows it fills.
+
+`--accuracy` measures every workload and stack of the run's cells; a run with the default stacks measures
+the default accuracy set (harness/accuracy/book.py DEFAULT_STACKS) unless `--no-accuracy` is given. The
+budget follows the run's scale: `smoke` on a CPU's default run, `standard` with `--scale standard` (or on a
+GPU, whose default scale it is).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from harness.accuracy.book import DEFAULT_STACKS, AccuracyBook, measure_accuracy
+from suites.tasks import task_for
+
+
+def requests(args, cells) -> dict[str, list[str]]:
+    """workload -> stacks whose accuracy this run measures (empty: none)."""
+    if args.no_accuracy:
+        return {}
+    workloads = list(dict.fromkeys(cell.workload for cell in cells))
+    if args.accuracy:
+        wanted: dict[str, list[str]] = {}
+        for cell in cells:
+            wanted.setdefault(cell.workload, [])
+            if cell.technique not in wanted[cell.workload]:
+                wanted[cell.workload].append(cell.technique)
+        return wanted
+    if args.technique is None:  # the default suite: the default accuracy set for its workloads with a task
+        return {w: list(DEFAULT_STACKS[w]) for w in workloads if w in DEFAULT_STACKS and task_for(w) is not None}
+    return {}
+
+
+def budget_scale(plan_scale: str) -> str:
+    return "smoke" if plan_scale == "smoke" else "standard"
+
+
+def run_accuracy(wanted: dict[str, list[str]], local, out, scale: str, seeds: int, console) -> AccuracyBook:
+    """Measure `wanted` into `out`/accuracy.csv (resuming what it holds), printing progress lines."""
+    stacks = sum(len(v) for v in wanted.values())
+    console.print(f"accuracy: {stacks} workload-stack pairs x {seeds} seeds on real data, {scale} budget "
+                  f"(--no-accuracy skips this stage)")
+    started = time.perf_counter()
+    device = torch.device("cpu" if local.vendor == "cpu" else "cuda")
+    book = AccuracyBook(out)
+    measure_accuracy(wanted, book, local, device, scale=scale, seeds=seeds,
+                     progress=lambda line: console.print(f"[{time.perf_counter() - started:5.0f}s] {line}"))
+    return book
