@@ -357,7 +357,9 @@ def cmd_run(args) -> int:
         signal.signal(getattr(signal, name), interrupt)
     records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume,
                        retry_failed=args.retry_failed)
-    accuracy = _accuracy_stage(args, plan, local, store, console)
+    from harness.cli_accuracy import accuracy_stage
+
+    accuracy = accuracy_stage(args, plan, local, store, console)
     frame = store.write_frame()
     from harness.cli_speed import write_run_ledger
 
@@ -383,25 +385,6 @@ def cmd_run(args) -> int:
                   + ("" if args.no_report else ", report.html"))
     failed = frame["status"].isin(["error", "timeout"]).sum()
     return EXIT_CELLS_FAILED if failed else 0
-
-
-def _accuracy_stage(args, plan, local, store, console):
-    """The accuracy of the run's stacks on real data (harness/cli_accuracy.py), filled into the rows; the
-    accuracy frame, or None when the run measures none."""
-    if args.accuracy and args.no_accuracy:
-        raise UsageError("--accuracy and --no-accuracy contradict each other: give one")
-    from harness.cli_accuracy import budget_scale, requests, run_accuracy
-
-    wanted = requests(args, plan.cells)
-    if not wanted:
-        return None
-    from harness.accuracy.attach import attach_accuracy
-    from harness.accuracy.book import DEFAULT_SEEDS
-
-    book = run_accuracy(wanted, local, store.root, budget_scale(plan.scale), args.accuracy_seeds or DEFAULT_SEEDS,
-                        console)
-    attach_accuracy(store, book)
-    return book.frame()
 
 
 def _command(module: str, name: str):

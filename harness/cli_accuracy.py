@@ -48,3 +48,22 @@ def run_accuracy(wanted: dict[str, list[str]], local, out, scale: str, seeds: in
     measure_accuracy(wanted, book, local, device, scale=scale, seeds=seeds,
                      progress=lambda line: console.print(f"[{time.perf_counter() - started:5.0f}s] {line}"))
     return book
+
+
+def accuracy_stage(args, plan, local, store, console):
+    """The accuracy of the run's stacks on real data, filled into the store's rows; the accuracy frame, or
+    None when the run measures none."""
+    from harness.cli import UsageError
+
+    if args.accuracy and args.no_accuracy:
+        raise UsageError("--accuracy and --no-accuracy contradict each other: give one")
+    wanted = requests(args, plan.cells)
+    if not wanted:
+        return None
+    from harness.accuracy.attach import attach_accuracy
+    from harness.accuracy.book import DEFAULT_SEEDS
+
+    book = run_accuracy(wanted, local, store.root, budget_scale(plan.scale), args.accuracy_seeds or DEFAULT_SEEDS,
+                        console)
+    attach_accuracy(store, book)
+    return book.frame()

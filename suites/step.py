@@ -160,14 +160,21 @@ class Step:
         """Feed `tokens` [B, 1] at `position`; the next token [B, 1]."""
         return self._next_token(tokens, cache, position)
 
+    def _serving(self):
+        stack = contextlib.ExitStack()
+        for context in (tf32_matmuls(self.run.tf32), torch.inference_mode(), self.autocast()):
+            stack.enter_context(context)
+        return stack
+
     def next_logits(self, tokens: torch.Tensor, cache, start: int) -> torch.Tensor:
         """The next-token logits [B, vocab] after feeding `tokens` [B, S] at `start` (a prefill when
         start is 0 and S > 1, a decode step when S is 1), as the served model computes them."""
-        with tf32_matmuls(self.run.tf32), torch.inference_mode(), self.autocast():
+        with self._serving():
             return self.run.workload.serving.forward(self.model, tokens, cache, start)
 
     def _next_token(self, tokens: torch.Tensor, cache, start: int) -> torch.Tensor:
-        return self.next_logits(tokens, cache, start).argmax(dim=-1, keepdim=True)
+        with self._serving():  # the argmax too: every op of a generation runs in inference mode
+            return self.run.workload.serving.forward(self.model, tokens, cache, start).argmax(dim=-1, keepdim=True)
 
     def _generate(self, batch: Batch, mark: Mark) -> torch.Tensor:
         prompt = batch["input_ids"]

@@ -370,14 +370,16 @@ def test_c6_and_c9_are_judged_on_the_intervals_of_bert_rows():
     rows = pd.DataFrame([_accuracy_row("baseline", 0.0, 0.0), _accuracy_row("param-sharing", -0.010, 0.004),
                          _accuracy_row("ptq-int8", -0.001, 0.002), _accuracy_row("qat-int8", -0.02, 0.005)])
     assert judge_c6(rows).startswith("consistent with the guide's 1.2-point cost")
+    wide = pd.DataFrame([_accuracy_row("param-sharing", 0.001, 0.044)])
+    assert judge_c6(wide).startswith("inconclusive")
     c9 = judge_c9(rows)
     assert "ptq-int8: supported" in c9 and "qat-int8: contradicted" in c9
     cheaper = pd.DataFrame([_accuracy_row("param-sharing", -0.001, 0.002)])
     assert judge_c6(cheaper).startswith("supported as an upper bound")
     dearer = pd.DataFrame([_accuracy_row("param-sharing", -0.05, 0.01)])
     assert judge_c6(dearer).startswith("contradicted")
-    wide = pd.DataFrame([_accuracy_row("ptq-int8", -0.004, 0.01)])
-    assert "inconclusive" in judge_c9(wide)
+    spanning = pd.DataFrame([_accuracy_row("ptq-int8", -0.004, 0.01)])
+    assert "inconclusive" in judge_c9(spanning)
     assert judge_c9(pd.DataFrame([_accuracy_row("ptq-int8", 0.0, 0.0, workload="gpt")])).startswith("not measured")
     section = accuracy_section(rows)
     assert len(section["rows"]) == 4 and section["rows"][1]["cells"][5] == "-1.00 ± 0.4 pts"

@@ -154,6 +154,11 @@ class _RecordingMemTracker(MemTracker):
         self.peak = 0
         self.at_peak: dict[str, int] = {}
         self.events: list[tuple[str, int, int]] = []
+        # id(winfo) -> the key its allocation is logged under. An id is reused once its object is collected,
+        # and when that happens depends on the whole process's garbage collection: keys numbered in order
+        # make the log the same in every process (the fragmentation probe tells transient tensors apart by key).
+        self.keys: dict[int, int] = {}
+        self.next_key = 0
         # The peak of each step phase, with its breakdown: peaks of different phases grow at different
         # rates with depth, so depth extrapolation extrapolates each and takes the largest.
         self.phase = "forward"
@@ -172,7 +177,10 @@ class _RecordingMemTracker(MemTracker):
 
     def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
         super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
-        key = id(winfo)
+        if u_type == _UpdateType.ADD:
+            self.keys[id(winfo)] = self.next_key
+            self.next_key += 1
+        key = self.keys.pop(id(winfo), -1) if u_type == _UpdateType.DEL else self.keys.get(id(winfo), -1)
         category = CATEGORY.get(getattr(winfo.reftype, "value", str(winfo.reftype)), "temporaries")
         if u_type == _UpdateType.ADD:
             size = self._rounded(winfo.mem_consumed)
