@@ -22,7 +22,7 @@ def main() -> None:
     started = time.perf_counter()
     options = RunnerOptions(run_id="speed")
     record = run_cell(Cell("gpt", "gpt3-175b", "train", "amp-bf16", "h100-sxm", 1, source="projected"), profiles,
-                      options)
+                      options)[0]
     elapsed = time.perf_counter() - started
     print(f"gpt3-175b train amp-bf16 on h100-sxm: {elapsed:.1f} s (target < 10 s): {record.status}, "
           f"peak {record.peak_allocated_bytes / 2**30:,.0f} GiB -> {'PASS' if elapsed < 10 else 'FAIL'}")
@@ -32,7 +32,7 @@ def main() -> None:
     started = time.perf_counter()
     statuses = Counter()
     for cell in cells:
-        statuses[run_cell(cell, profiles, options).status] += 1
+        statuses[run_cell(cell, profiles, options)[0].status] += 1
     elapsed = time.perf_counter() - started
     print(f"default matrix: {len(cells)} cells ({len(WORKLOADS)} workloads at canonical sizes x "
           f"{len(technique_names())} stacks x 2 modes x {len(gpus)} GPUs) in {elapsed:.1f} s "

@@ -37,6 +37,7 @@ class Cell:
     # A served decoder's prompt and generated tokens per sequence (None: the size's defaults)
     prompt_len: int | None = None
     gen_len: int | None = None
+    world_size: int = 1  # processes (ranks) the cell runs on, under torchrun
 
     @property
     def cell_id(self) -> str:
@@ -46,6 +47,8 @@ class Cell:
         raw = f"{self.workload}__{self.size}__{self.mode}__{self.technique}__{self.gpu}__b{self.batch_size}"
         if self.prompt_len is not None or self.gen_len is not None:
             raw += f"__p{self.prompt_len or ''}g{self.gen_len or ''}"
+        if self.world_size != 1:
+            raw += f"__w{self.world_size}"
         if self.source != "measured":
             raw += f"__{self.source}"
         safe = re.sub(r"[^A-Za-z0-9_.+-]", "_", raw)

@@ -168,12 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="electricity price: measured CUDA rows then cost their NVML energy per million samples")
     run.add_argument("--tensorboard", type=_folder, default=None, metavar="DIR",
                      help="write each measured cell's step times and memory as TensorBoard scalars under DIR")
-    run.add_argument("--accuracy", action="store_true",
-                     help="measure the accuracy of every workload and stack of the run on real data (3 seeds)")
-    run.add_argument("--no-accuracy", action="store_true",
-                     help="skip the default run's accuracy stage (int8, int4, sharing, pruning, bf16 vs the baseline)")
-    run.add_argument("--accuracy-seeds", type=_count, default=None, metavar="N",
-                     help="seeds per accuracy measurement (default 3; fewer gives no noise estimate)")
+    run.add_argument("--world-size", type=_count, default=1, metavar="N",
+                     help="ranks per measured cell, one process each under torchrun (data-parallel, fsdp...)")
+    run.add_argument("--shard", default=None, metavar="I/N", help="run only the I-th of N disjoint slices of the "
+                     "plan (a job array; headroom report merges the slices' folders)")
+    from harness.cli_accuracy import add_arguments
+
+    add_arguments(run)
     run.add_argument("--serve-matrix", action="store_true",
                      help="also tabulate the serving fit matrix for the run's GPUs into serve_matrix.csv (a first "
                           "run on a CPU machine tabulates 13B and 70B at 4k tokens by itself)")
@@ -318,7 +319,11 @@ def cmd_run(args) -> int:
     plan = plan_run(local, gpus, workloads=(args.workload or []) + _user_workloads(args) or None,
                     stacks=args.technique, modes=args.mode, scale=args.scale, sizes=args.size,
                     batch_size=args.batch_size, profiles=profiles, require_device=args.require_device,
-                    prompt_len=args.prompt_len, gen_len=args.gen_len)
+                    prompt_len=args.prompt_len, gen_len=args.gen_len, world_size=args.world_size)
+    if args.shard:
+        from harness.plan import parse_shard, shard
+
+        plan = shard(plan, *parse_shard(args.shard))
     measured, projected, foreign, cells = plan.measured, plan.projected, plan.foreign, plan.cells
     run_id = new_run_id()
     store = ResultsStore(args.out or Path("results") / run_id)

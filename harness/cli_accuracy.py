@@ -10,14 +10,25 @@ from __future__ import annotations
 
 import time
 
-import torch
 
-from harness.accuracy.book import DEFAULT_STACKS, AccuracyBook, measure_accuracy
-from suites.tasks import task_for
+def add_arguments(run) -> None:
+    """`headroom run`'s accuracy options."""
+    from harness.cli import _count
+
+    which = run.add_mutually_exclusive_group()
+    which.add_argument("--accuracy", action="store_true",
+                     help="measure the accuracy of every workload and stack of the run on real data (3 seeds)")
+    which.add_argument("--no-accuracy", action="store_true",
+                     help="skip the default run's accuracy stage (int8, int4, sharing, pruning, bf16 vs the baseline)")
+    run.add_argument("--accuracy-seeds", type=_count, default=None, metavar="N",
+                     help="seeds per accuracy measurement (default 3; fewer gives no noise estimate)")
 
 
 def requests(args, cells) -> dict[str, list[str]]:
     """workload -> stacks whose accuracy this run measures (empty: none)."""
+    from harness.accuracy.book import DEFAULT_STACKS
+    from suites.tasks import task_for
+
     if args.no_accuracy:
         return {}
     workloads = list(dict.fromkeys(cell.workload for cell in cells))
@@ -37,8 +48,12 @@ def budget_scale(plan_scale: str) -> str:
     return "smoke" if plan_scale == "smoke" else "standard"
 
 
-def run_accuracy(wanted: dict[str, list[str]], local, out, scale: str, seeds: int, console) -> AccuracyBook:
+def run_accuracy(wanted: dict[str, list[str]], local, out, scale: str, seeds: int, console):
     """Measure `wanted` into `out`/accuracy.csv (resuming what it holds), printing progress lines."""
+    import torch
+
+    from harness.accuracy.book import AccuracyBook, measure_accuracy
+
     stacks = sum(len(v) for v in wanted.values())
     console.print(f"accuracy: {stacks} workload-stack pairs x {seeds} seeds on real data, {scale} budget "
                   f"(--no-accuracy skips this stage)")
@@ -53,12 +68,12 @@ def run_accuracy(wanted: dict[str, list[str]], local, out, scale: str, seeds: in
 def accuracy_stage(args, plan, local, store, console):
     """The accuracy of the run's stacks on real data, filled into the store's rows; the accuracy frame, or
     None when the run measures none."""
-    from harness.cli import UsageError
-
-    if args.accuracy and args.no_accuracy:
-        raise UsageError("--accuracy and --no-accuracy contradict each other: give one")
     wanted = requests(args, plan.cells)
     if not wanted:
+        return None
+    if args.shard and not args.shard.startswith("1/"):
+        console.print(f"accuracy: measured by shard 1 of the plan only (this is {args.shard}); its accuracy.csv "
+                      "joins the others' rows in headroom report")
         return None
     from harness.accuracy.attach import attach_accuracy
     from harness.accuracy.book import DEFAULT_SEEDS

@@ -109,6 +109,7 @@ class Outcome:
     nvml: NvmlFigures | None = None  # measured CUDA only: what NVML saw over the timed steps
     samples_timed: int | None = None  # samples the timed steps processed (energy per sample)
     usd_per_kwh: float | None = None  # the electricity price energy is costed at (`--usd-per-kwh`)
+    comm_bytes_per_step: int | None = None  # parallel stacks: bytes each rank sends per step
 
 
 def failure(status: str, reason: str, **values) -> Outcome:
@@ -153,7 +154,8 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
         torch_version=torch.__version__, cuda_version=torch.version.cuda if torch.cuda.is_available() else None,
         driver_version=outcome.driver_version, git_sha=git_sha(), hostname=socket.gethostname(),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"), wall_time_s=outcome.wall_time_s,
-        interval_basis=outcome.interval_basis, notes="; ".join(filter(None, notes)), **values)
+        interval_basis=outcome.interval_basis, notes="; ".join(filter(None, notes)), world_size=named.world_size,
+        comm_bytes_per_step=outcome.comm_bytes_per_step, **values)
 
 
 def _memory_columns(memory: MemoryFigures) -> dict:
@@ -174,9 +176,13 @@ def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: f
     speed = outcome.speed
     # A generation's tokens are the ones it generates (tokens/s and USD per million generated tokens).
     tokens = resolved.spec.gen_len or resolved.spec.seq_len
+    # N ranks are N GPUs: utilisation and cost are per GPU, at the global throughput's Nth.
+    world = resolved.cell.world_size
+    per_gpu = speed.throughput_samples_s / world if speed.throughput_samples_s is not None else None
     derived = speed_and_cost(resolved.profile, outcome.precision or "fp32", flops_per_sample or 0.0,
-                             speed.throughput_samples_s, tokens,
-                             convolutional=resolved.workload.traits.convolutional)
+                             per_gpu, tokens, convolutional=resolved.workload.traits.convolutional)
+    if derived.get("tokens_per_s") is not None:
+        derived["tokens_per_s"] *= world
     if not flops_per_sample:
         derived["mfu"] = None  # unknown model FLOPs: no utilisation, rather than a 0
     return dict(step_time_ms_p50=speed.step_time_ms_p50, step_time_ms_p90=speed.step_time_ms_p90,

@@ -90,7 +90,7 @@ def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads:
              stacks: list[str] | None = None, modes: list[str] | None = None, scale: str | None = None,
              sizes: list[str] | None = None, batch_size: int | None = None,
              profiles: dict[str, GpuProfile] | None = None, require_device: bool = False,
-             prompt_len: int | None = None, gen_len: int | None = None) -> RunPlan:
+             prompt_len: int | None = None, gen_len: int | None = None, world_size: int = 1) -> RunPlan:
     """The cells of a run on a machine whose device is `local`, asked for `gpus`.
 
     Every measured cell gets a projected twin (so the projection's error is known); GPUs this machine
@@ -98,7 +98,10 @@ def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads:
     asked for, the local device is measured, and where it is a CPU every GPU of `profiles` (None: none)
     is projected at DAY_ONE_SCALES (unless `scale` or `sizes` are given). `require_device` refuses
     (ValueError) GPUs this machine lacks instead of projecting them. `stacks` ['all'] means every
-    technique and recipe."""
+    technique and recipe. `world_size` ranks run each measured cell of a parallel stack (torchrun); such
+    cells get no projected twin yet (projection of parallel stacks is its own step)."""
+    if world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {world_size}")
     day_one = (gpus is None and local.vendor == "cpu" and profiles is not None and not scale and not sizes
                and not require_device)
     if gpus is None:
@@ -114,10 +117,33 @@ def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads:
     lengths = {"prompt_len": prompt_len, "gen_len": gen_len}
     measured = expand(workloads, stacks, [g for g in gpus if g.id == local.id], modes, scale=local_scale,
                       sizes=sizes, batch_size=batch_size, **lengths)
-    projected = [dataclasses.replace(c, source="projected") for c in measured]
+    if world_size != 1:  # the parallel stacks run on the ranks; the others stay single-process, with twins
+        measured = [dataclasses.replace(c, world_size=world_size) if parse_stack(c.technique).parallel else c
+                    for c in measured]
+    projected = [dataclasses.replace(c, source="projected") for c in measured if c.world_size == 1]
     projected_scales = DAY_ONE_SCALES if day_one else (scale or DEFAULT_PROJECTED_SCALE,)
     if foreign:
         for projected_scale in projected_scales:
             projected += expand(workloads, stacks, foreign, modes, scale=projected_scale, sizes=sizes,
                                 batch_size=batch_size, source="projected", **lengths)
     return RunPlan(measured, projected, local, foreign, local_scale, "+".join(projected_scales), day_one)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`I/N` -> (I, N) with 1 <= I <= N; ValueError (one line) otherwise."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes I/N (the I-th of N slices, e.g. 2/8), got {text!r}") from None
+    if not 1 <= index <= count:
+        raise ValueError(f"--shard {text}: I must be between 1 and N")
+    return index, count
+
+
+def shard(plan: RunPlan, index: int, count: int) -> RunPlan:
+    """The `index`-th (from 1) of `count` disjoint slices of the plan's cells, dealt round-robin so every slice
+    gets its share of slow measured cells; the slices together are the whole plan. Each writes its own
+    results folder and `headroom report` merges them (a Slurm array: --shard $SLURM_ARRAY_TASK_ID/N)."""
+    kept = set(plan.cells[index - 1::count])
+    return dataclasses.replace(plan, measured=[c for c in plan.measured if c in kept],
+                               projected=[c for c in plan.projected if c in kept])

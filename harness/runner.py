@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.cell import Cell, ResolvedCell
+from harness.measure import distributed
 from harness.measure.local import MeasureSettings
 from harness.outcome import failure, to_record
 from harness.profiles import GpuProfile
@@ -96,8 +97,9 @@ def default_cell_memory() -> int:
     return int(available_memory() * DEFAULT_CELL_MEMORY_SHARE)
 
 
-def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
-    """Measure `cell` in a fresh Python process; turn any way it can fail into a row."""
+def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record | list[Record]:
+    """Measure `cell` in a fresh Python process (one per rank under torchrun for a parallel stack: then the
+    cell's row and one per rank); turn any way it can fail into a row."""
     named = cell.cell if isinstance(cell, ResolvedCell) else cell
     with tempfile.TemporaryDirectory(prefix="headroom-cell-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
@@ -110,6 +112,10 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
         # named like one the cell imports) lying there cannot run inside the cell. A user's model named
         # by --model is imported from there on purpose (suites/workloads/user.py).
         command = [sys.executable, "-P", "-m", options.cell_entry, str(spec_path), str(result_path)]
+        ranks = named.world_size if isinstance(cell, ResolvedCell) and runs_on_ranks(cell) else 0
+        if ranks:
+            command = distributed.torchrun_command(ranks, options.cell_entry, [str(spec_path), str(result_path)])
+            env["PYTHONSAFEPATH"] = "1"  # torchrun starts its workers without -P: the same protection
         on_host = isinstance(cell, ResolvedCell) and cell.profile.vendor == "cpu"
         limit = options.cell_memory_bytes if on_host else None
         started = time.perf_counter()
@@ -125,8 +131,11 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
             except subprocess.TimeoutExpired:
                 _kill_group(process)
                 process.wait()
-                return to_record(cell, failure("timeout", f"exceeded --cell-timeout {options.cell_timeout_s:g} s",
-                                               wall_time_s=time.perf_counter() - started), options.run_id)
+                timeout = failure("timeout", f"exceeded --cell-timeout {options.cell_timeout_s:g} s",
+                                  wall_time_s=time.perf_counter() - started)
+                if ranks:  # the ranks that finished have rows; the ones still running (hung) are named
+                    return _rank_rows(cell, result_path, ranks, None, "", options.run_id, timeout)
+                return to_record(cell, timeout, options.run_id)
             except BaseException:
                 # Ctrl-C, SIGTERM or SIGHUP on the runner: the cell in flight (and what it started) ends
                 # now, before its temporary folder is removed, not whenever the kernel notices its parent left.
@@ -135,6 +144,8 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record:
                 raise
             _kill_group(process)  # the cell is done: helpers it left behind go with it
             stderr = _tail(stderr_file)
+        if ranks:
+            return _rank_rows(cell, result_path, ranks, process.returncode, stderr, options.run_id)
         if result_path.exists():
             return _result_row(cell, result_path, options.run_id)
         status, reason = _crash_reason(process.returncode, stderr, oom_kills_before)
@@ -155,6 +166,30 @@ def _result_row(cell, result_path: Path, run_id: str) -> Record:
         return to_record(cell, failure("error", f"the cell's result could not be read ({type(exc).__name__}: "
                                                 f"{str(exc)[:200]}); was the checkout updated during the run?"),
                          run_id)
+
+
+def runs_on_ranks(cell: ResolvedCell) -> bool:
+    """Whether the cell runs under torchrun: on several ranks, or with a parallel technique (on one rank too)."""
+    return cell.cell.world_size > 1 or cell.stack.parallel
+
+
+def _rank_rows(cell, result_path: Path, ranks: int, returncode: int | None, stderr: str, run_id: str,
+               timeout=None) -> list[Record]:
+    """The cell's row and one per rank (harness/measure/distributed.py); a rank without a row died, or at a
+    timeout (`timeout`: the failure) had not finished."""
+    rows = []
+    for index in range(ranks):
+        path = distributed.rank_result_path(result_path, index)
+        rows.append(_result_row(cell, path, run_id) if path.exists() else None)
+    if timeout is not None:
+        status, reason = timeout.status, f"still running when the cell {timeout.reason}"
+    else:
+        status, reason = _crash_reason(returncode, stderr, None) if returncode else ("error", "wrote no row")
+
+    def missing(index: int) -> Record:
+        return to_record(cell, failure(status, f"rank {index} wrote no row: {reason}"), run_id)
+
+    return distributed.fold(rows, missing)
 
 
 def _tail(handle) -> str:
@@ -236,8 +271,10 @@ def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsS
             if on_done:
                 on_done(index, len(cells), cell, None)
             continue
-        record = run_cell(cell, profiles, options)
-        store.add(record)
+        rows = run_cell(cell, profiles, options)
+        record = rows[0]
+        for row in rows:  # the cell's row, and one per rank for a multi-process cell
+            store.add(row)
         if cell.source == "measured":
             # Keep the frame current through slow measured cells; projected cells take milliseconds
             # and rebuilding the frame from every cell file after each would dominate their cost.
@@ -249,9 +286,15 @@ def run_plan(cells: list[Cell], profiles: dict[str, GpuProfile], store: ResultsS
     return records
 
 
-def run_cell(cell: Cell, profiles: dict[str, GpuProfile], options: RunnerOptions) -> Record:
-    """The row of one cell: resolved once here; unsupported without a process, projected in this
-    process, measured in its own."""
+def run_cell(cell: Cell, profiles: dict[str, GpuProfile], options: RunnerOptions) -> list[Record]:
+    """The rows of one cell (its own first, then one per rank of a multi-process cell): resolved once here;
+    unsupported without a process, projected in this process, measured in its own (under torchrun for
+    parallel stacks)."""
+    rows = _run_cell(cell, profiles, options)
+    return rows if isinstance(rows, list) else [rows]
+
+
+def _run_cell(cell: Cell, profiles: dict[str, GpuProfile], options: RunnerOptions) -> Record | list[Record]:
     try:
         resolved = cell.resolve(profiles)
     except ValueError as exc:

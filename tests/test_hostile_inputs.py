@@ -248,7 +248,7 @@ def test_a_cell_projected_above_its_memory_limit_is_not_started():
 
     cell = Cell("gpt", "gpt2-124m", "train", "baseline", "cpu", 8, "measured")
     record = run_cell(cell, load_profiles(), RunnerOptions(run_id="t", cell_memory_bytes=1 << 28,
-                                                          cell_entry="tests.no_such_module"))
+                                                          cell_entry="tests.no_such_module"))[0]
     assert record.status == "oom" and record.reason.startswith("pre-flight: projected peak")
     assert "was not started" in record.reason
 

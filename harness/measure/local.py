@@ -17,6 +17,7 @@ import torch
 
 from harness.cell import ResolvedCell
 from harness.measure import artifacts
+from harness.measure.distributed import rank_slice
 from harness.measure.generation import time_generation
 from harness.measure.memory import probe_for
 from harness.measure.nvml import NvmlSampler, open_source
@@ -90,7 +91,9 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
             raise RestartWithEnvironment(unset)
         run.model = run.model.to(device)
         step = Step(run, device)
-        batch = {k: v.to(device) for k, v in workload.batch(spec, cell.batch_size, generator).items()}
+        # Every rank draws the same global batch and keeps its slice (data-parallel and sharded stacks).
+        global_batch = workload.batch(spec, cell.batch_size, generator)
+        batch = {k: v.to(device) for k, v in rank_slice(global_batch, run.data_parallel).items()}
         for _ in range(settings.warmup):
             step(batch)
         # fp16 loss scaling starts at 2**16 and skips the optimizer step while gradients overflow; warm
@@ -135,7 +138,8 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
         wall_time_s=time.perf_counter() - started, notes=notes, serving=serving,
         nvml=sampler.figures() if source is not None else None,
-        samples_timed=len(timing.step_s) * cell.batch_size, usd_per_kwh=settings.usd_per_kwh)
+        samples_timed=len(timing.step_s) * cell.batch_size // run.data_parallel, usd_per_kwh=settings.usd_per_kwh,
+        comm_bytes_per_step=run.comm_bytes_per_step)
 
 
 def _artifacts(cell: ResolvedCell, one_step, device: torch.device, settings: MeasureSettings, timing,

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from harness.cell import Cell
+from harness.measure import distributed
 from harness.measure.local import MeasureSettings, RestartWithEnvironment, measure
 from harness.outcome import failure, to_record
 from harness.profiles import load_profiles
@@ -43,7 +44,8 @@ def measure_spec(spec: dict) -> Record:
     resolved = None
     try:
         resolved = cell.resolve(load_profiles(spec.get("profiles_dir")))
-        outcome = measure(resolved, MeasureSettings(**spec["settings"]))
+        with distributed.process_group(resolved.profile):  # under torchrun: this rank's part of the group
+            outcome = measure(resolved, MeasureSettings(**spec["settings"]))
     except RestartWithEnvironment as restart:
         if os.environ.get(RESTARTED):
             outcome = failure("error", f"the stack's environment {restart.env} did not hold after a restart")
@@ -63,6 +65,8 @@ def main(argv: list[str]) -> int:
     """Child-process entry: read the cell spec, measure, write the row."""
     spec_path, result_path = argv
     record = measure_spec(json.loads(Path(spec_path).read_text(encoding="utf-8")))
+    if distributed.launched_by_torchrun():  # each rank writes its own row; the runner folds them
+        result_path = distributed.rank_result_path(Path(result_path), distributed.rank())
     atomic_write_text(Path(result_path), json.dumps(record.to_dict()))
     return 0
 

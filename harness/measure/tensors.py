@@ -14,10 +14,21 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(tensor, DTensor)
+
+
 def _leaves(tensor: torch.Tensor) -> Iterable[torch.Tensor]:
     """The plain tensors that hold a tensor's data: itself, or, for wrapper subclasses such as
-    torchao's quantized weights (int8 data + scales), the inner tensors they flatten to."""
-    if is_traceable_wrapper_subclass(tensor):
+    torchao's quantized weights (int8 data + scales), the inner tensors they flatten to. A sharded
+    DTensor (FSDP2, tensor parallelism) holds this rank's shard: its local tensor."""
+    if _is_dtensor(tensor):
+        yield tensor.to_local()
+    elif is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         for name in names:
             yield from _leaves(getattr(tensor, name))
@@ -51,5 +62,9 @@ def gradient_bytes(model: nn.Module) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int | None:
     if optimizer is None:
         return None
+    # ZeRO-1's wrapper keeps this rank's shard of the state in the optimizer it wraps.
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
     return storage_bytes(value for state in optimizer.state.values() for value in state.values()
                          if isinstance(value, torch.Tensor))

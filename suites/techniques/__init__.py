@@ -18,6 +18,7 @@ from suites.techniques import (
     groupquant,  # T9
     lowrank,  # T3
     optimizers,  # optimizer implementations
+    parallel,  # T13, T16: data parallelism and sharding
     precision,  # T1
     pruning,  # T4
     quantization,  # T7-T8
@@ -42,6 +43,7 @@ FAMILIES = [
     serving,
     allocator,
     optimizers,
+    parallel,
 ]
 
 BASELINE = "baseline"
@@ -76,6 +78,11 @@ class Stack:
     @property
     def name(self) -> str:
         return self.recipe or "+".join(t.id for t in self.techniques) or BASELINE
+
+    @property
+    def parallel(self) -> bool:
+        """Whether it runs on several ranks (torchrun): a parallelism, data-parallel or sharding technique."""
+        return any(t.phase in (Phase.PARALLEL, Phase.DATA_PARALLEL) for t in self.techniques)
 
     @property
     def changes_numerics(self) -> bool:

@@ -64,6 +64,8 @@ class Run:
         kv_cache: how a served decoder stores its KV cache (`native`: the activations' dtype; `int8`).
         compiled: the model runs through torch.compile (the `compile` technique).
         input_dtype: floating inputs are cast to it before inference (a model held in 16 bits).
+        data_parallel: ranks the global batch is split over (data-parallel and sharded stacks).
+        comm_bytes_per_step: bytes each rank sends per step for a parallel stack (ring algorithms).
         allocator: the CUDA caching allocator's setting (`native`, `expandable_segments`, `cudaMallocAsync`).
         env: environment variables the cell process must have before the device starts.
         notes: facts worth recording in the row's reason/notes.
@@ -85,6 +87,8 @@ class Run:
     compiled: bool = False
     input_dtype: torch.dtype | None = None
     allocator: str = "native"
+    data_parallel: int = 1
+    comm_bytes_per_step: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

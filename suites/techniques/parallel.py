@@ -1,0 +1,238 @@
+"""Data parallelism and sharding on PyTorch's own engine (T13, T16): DDP, ZeRO-1, FSDP2 and its CPU offload.
+
+Under data parallelism every rank runs its slice of the global batch. `data-parallel` (DDP) keeps a
+full replica of parameters, gradients and optimizer state on each rank and all-reduces the gradients;
+`zero1` shards only the optimizer state (ZeroRedundancyOptimizer, ZeRO stage 1); `fsdp` (FSDP2
+`fully_shard`, ZeRO stage 3) shards parameters, gradients and optimizer state, all-gathering each
+block's parameters for its forward and backward and reduce-scattering its gradients; `fsdp-zero2`
+keeps the gathered parameters from the forward to the backward (ZeRO stage 2's memory, one all-gather
+less); `cpu-offload` holds FSDP2's shards and optimizer step in host memory. All run under torchrun
+(`headroom run --world-size N`), gloo on CPUs and NCCL on GPUs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+from suites.techniques.base import Phase, Run, Technique, Unsupported
+
+
+def distributed():
+    """torch.distributed with its default process group, or Unsupported saying how to get one."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise Unsupported("runs under torchrun, one process per rank: give headroom run --world-size N "
+                          "(projection of parallel stacks is not implemented yet)")
+    return dist
+
+
+def rank_device(run: Run) -> torch.device:
+    """This rank's device: its local GPU (torchrun's LOCAL_RANK) or the CPU."""
+    if run.profile.vendor == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _mesh(run: Run):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist = distributed()
+    return init_device_mesh(rank_device(run).type, (dist.get_world_size(),))
+
+
+def _splits_batch(run: Run, dist) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in run.model.parameters()):
+        raise Unsupported("data parallelism on top of tensor parallelism needs a 2-D device mesh (ranks split into "
+                          "data-parallel groups of tensor-parallel ranks), which headroom does not build yet")
+    world = dist.get_world_size()
+    if run.batch_size % (world * run.micro_batches):
+        raise Unsupported(f"the global batch {run.batch_size} does not split into {world} ranks x "
+                          f"{run.micro_batches} micro-batches")
+    run.data_parallel = world
+
+
+def _apply_ddp(run: Run) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist = distributed()
+    _splits_batch(run, dist)
+    device = rank_device(run)
+    run.model = DistributedDataParallel(run.model.to(device), device_ids=[device.index] if device.index is not None
+                                        else None)
+    grads = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
+    world = dist.get_world_size()
+    # A ring all-reduce sends 2 (N - 1) / N of the buffer from each rank (Patarasuk & Yuan 2009).
+    run.comm_bytes_per_step = int(2 * (world - 1) / world * grads)
+    run.notes.append(f"DDP over {world} ranks: full replica per rank, gradients all-reduced in buckets "
+                     f"({run.comm_bytes_per_step:,} bytes sent per rank per step, ring)")
+
+
+def _apply_zero1(run: Run) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    _apply_ddp(run)
+    factory = run.optimizer_factory
+    template = factory([torch.nn.Parameter(torch.zeros(1))])  # the stack's optimizer class and settings
+    accepted = inspect.signature(type(template).__init__).parameters  # defaults may hold more (AdamW's)
+    defaults = {k: v for k, v in template.defaults.items()
+                if k in accepted and k not in ("differentiable", "capturable")}
+    run.optimizer_factory = lambda params: ZeroRedundancyOptimizer(params, optimizer_class=type(template),
+                                                                   **defaults)
+    run.notes.append("ZeRO-1: each rank keeps and steps 1/N of the optimizer state, then broadcasts its parameters")
+
+
+def _shard(run: Run, reshard_after_forward: bool, offload: bool) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    dist = distributed()
+    _splits_batch(run, dist)
+    mesh = _mesh(run)
+    run.model.to(rank_device(run))
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    blocks = [block for container in run.workload.block_lists(run.model) for block in container]
+    for block in blocks:  # one all-gather per block: only one block's parameters are whole at a time
+        fully_shard(block, **options)
+    fully_shard(run.model, **options)
+    params = sum(p.numel() * p.element_size() for p in run.model.parameters())  # the global (unsharded) bytes
+    world = dist.get_world_size()
+    gathers = 1 if not reshard_after_forward else 2  # forward, and again for the backward unless kept
+    run.comm_bytes_per_step = int((world - 1) / world * params * (gathers + 1))  # + the gradients' reduce-scatter
+    run.notes.append(f"FSDP2 over {world} ranks, {len(blocks)} blocks sharded one by one"
+                     + ("; parameters kept gathered from forward to backward (ZeRO-2)" if not reshard_after_forward
+                        else "") + ("; shards and optimizer step in host memory" if offload else "")
+                     + f"; {run.comm_bytes_per_step:,} bytes sent per rank per step (ring all-gather / "
+                       "reduce-scatter)")
+
+
+def _head_major(weight: torch.Tensor, heads: int, kv_heads: int, ranks: int) -> torch.Tensor:
+    """A fused [q; k; v] projection's rows regrouped as [q_0; k_0; v_0; q_1; k_1; v_1; ...], where rank r's
+    part holds its own query heads and the key/value heads they read, so that sharding the rows into
+    contiguous equal blocks (what ColwiseParallel does) gives each rank whole heads of all three."""
+    size = weight.shape[0] // (heads + 2 * kv_heads)
+    q, k, v = weight.split((heads * size, kv_heads * size, kv_heads * size))
+    parts = [chunk for r in range(ranks) for chunk in (q.chunk(ranks)[r], k.chunk(ranks)[r], v.chunk(ranks)[r])]
+    return torch.cat(parts)
+
+
+def _apply_tp(run: Run) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist = distributed()
+    ranks = dist.get_world_size()
+    roles, mlp = run.workload.traits.attention, run.workload.traits.mlp
+    mesh = _mesh(run)
+    run.model.to(rank_device(run))
+    sharded = 0
+    for module in run.model.modules():
+        plan = {}
+        if hasattr(module, roles.qkv) and hasattr(module, roles.heads):
+            heads = getattr(module, roles.heads)
+            groups = getattr(module, roles.kv_groups) if roles.kv_groups else 1
+            if heads % ranks or (heads // groups) % ranks:
+                raise Unsupported(f"{heads} query and {heads // groups} key/value heads do not split over {ranks} "
+                                  "ranks")
+            qkv = getattr(module, roles.qkv)
+            with torch.no_grad():
+                qkv.weight.copy_(_head_major(qkv.weight, heads, heads // groups, ranks))
+                if qkv.bias is not None:
+                    qkv.bias.copy_(_head_major(qkv.bias, heads, heads // groups, ranks))
+            setattr(module, roles.heads, heads // ranks)  # this rank computes its own heads only
+            plan = {roles.qkv: ColwiseParallel(), roles.out: RowwiseParallel()}
+        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and isinstance(getattr(module, mlp.up),
+                                                                                  torch.nn.Linear):
+            plan = {mlp.up: ColwiseParallel(), mlp.down: RowwiseParallel()}
+            if mlp.gate and getattr(module, mlp.gate, None) is not None:
+                plan[mlp.gate] = ColwiseParallel()
+        if plan:
+            parallelize_module(module, mesh, plan)
+            sharded += 1
+    if not sharded:
+        raise Unsupported(f"{run.workload.name} declares no attention or MLP modules to shard")
+    run.optimizer_factory = _grouped(run.optimizer_factory)
+    activations = run.size.seq_len * run.size.config.get("n_embd", 0) * 4  # fp32 bytes per sample
+    # Each row-parallel output is all-reduced forward and its input's gradient backward: two per module.
+    run.comm_bytes_per_step = int(2 * (ranks - 1) / ranks * activations * run.batch_size * 2 * sharded)
+    run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
+                     f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
+                     f"projections row-parallel and all-reduced; embeddings and norms replicated")
+
+
+def _grouped(factory):
+    """The stack's optimizer over two parameter groups, the sharded (DTensor) and the replicated parameters:
+    a multi-tensor (foreach) step cannot take both kinds in one list."""
+    from torch.distributed.tensor import DTensor
+
+    def make(params):
+        params = list(params)
+        groups = [{"params": [p for p in params if isinstance(p, DTensor)]},
+                  {"params": [p for p in params if not isinstance(p, DTensor)]}]
+        return factory([group for group in groups if group["params"]])
+
+    return make
+
+
+def _check_tp(profile, workload, mode):
+    roles = workload.traits
+    if roles.attention is None or roles.mlp is None or roles.convolutional:
+        return (f"tensor-parallel shards attention heads and MLP neurons a workload declares "
+                f"(Traits.attention / mlp); {workload.name} declares none")
+    return _check_train(profile, workload, mode)
+
+
+def _check_offload(profile, workload, mode):
+    if profile.vendor == "cpu":
+        return "cpu-offload moves parameters and optimizer state from GPU to host memory; on a CPU there is none"
+    return _check_train(profile, workload, mode)
+
+
+def _check_train(profile, workload, mode):
+    if mode != "train":
+        return "data parallelism and sharding are set up for training steps here (inference runs one replica)"
+    return None
+
+
+def _check_sharded(profile, workload, mode):
+    if not workload.block_lists:
+        return f"{workload.name} exposes no repeated blocks to shard one by one"
+    return _check_train(profile, workload, mode)
+
+
+DATA_PARALLEL = Technique(
+    id="data-parallel", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T13", exclusive="data-parallel",
+    summary="DDP: a replica per rank, each on its slice of the global batch, gradients all-reduced",
+    check=_check_train, apply=_apply_ddp)
+
+ZERO1 = Technique(
+    id="zero1", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T13", exclusive="data-parallel",
+    summary="DDP with the optimizer state sharded over ranks (ZeroRedundancyOptimizer, ZeRO stage 1)",
+    check=_check_train, apply=_apply_zero1)
+
+FSDP = Technique(
+    id="fsdp", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T16", exclusive="data-parallel",
+    summary="FSDP2 fully_shard per block: parameters, gradients and optimizer state sharded (ZeRO stage 3)",
+    check=_check_sharded, apply=lambda run: _shard(run, reshard_after_forward=True, offload=False))
+
+FSDP_ZERO2 = Technique(
+    id="fsdp-zero2", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T16", exclusive="data-parallel",
+    summary="FSDP2 keeping each block's gathered parameters from forward to backward (ZeRO stage 2)",
+    check=_check_sharded, apply=lambda run: _shard(run, reshard_after_forward=False, offload=False))
+
+CPU_OFFLOAD = Technique(
+    id="cpu-offload", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T16", exclusive="data-parallel",
+    summary="FSDP2 with its offload policy: parameter shards, gradients and the optimizer step in host memory",
+    check=_check_offload, apply=lambda run: _shard(run, reshard_after_forward=True, offload=True))
+
+TENSOR_PARALLEL = Technique(
+    id="tensor-parallel", phase=Phase.PARALLEL, changes_numerics=False, guide="T13",
+    summary="Megatron-style: QKV and first MLP layers column-parallel, output projections row-parallel (DTensor)",
+    check=_check_tp, apply=_apply_tp)
+
+TECHNIQUES = (DATA_PARALLEL, ZERO1, FSDP, FSDP_ZERO2, CPU_OFFLOAD, TENSOR_PARALLEL)

@@ -1,0 +1,68 @@
+"""Run under torchrun by tests/test_parallel.py: two training steps of gpt smoke under a parallel stack on
+this rank's slice of the same global batch, the losses averaged over ranks and this rank's bytes, as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from harness.measure.distributed import process_group, rank_slice
+from harness.measure.tensors import optimizer_state_bytes
+from harness.profiles import detect_local, load_profiles
+from suites.step import Step
+from suites.techniques import parse_stack
+from suites.techniques.base import Run
+from suites.workloads import get_workload
+
+GLOBAL_BATCH = 8
+
+
+def losses(stack: str) -> dict:
+    device = torch.device("cpu")
+    workload = get_workload("gpt")
+    spec = workload.size("smoke")
+    torch.manual_seed(0)
+    run = Run(workload=workload, size=spec, mode="train", profile=detect_local(load_profiles(None)),
+              model=workload.build(spec), batch_size=GLOBAL_BATCH)
+    parse_stack(stack).apply(run)
+    step = Step(run, device)
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(2):
+        batch = rank_slice(workload.batch(spec, GLOBAL_BATCH, generator), run.data_parallel)
+        loss = step(batch).detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(loss)  # each rank's mean over its equal slice: their mean is the global mean
+            loss /= dist.get_world_size()
+        out.append(loss.item())
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in run.model.parameters())
+    return {"losses": out, "local_params": local, "optimizer_bytes": optimizer_state_bytes(step.optimizer),
+            "comm": run.comm_bytes_per_step}
+
+
+def column_parallel() -> dict:
+    """A Linear sharded by PyTorch's ColwiseParallel against the same Linear whole, on the same input."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    whole = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    expected = whole(x)
+    sharded = parallelize_module(whole, init_device_mesh("cpu", (dist.get_world_size(),)),
+                                 ColwiseParallel(use_local_output=False))
+    out = sharded(x)
+    return {"max_error": (out.full_tensor() - expected).abs().max().item(), "local_shape": list(out.to_local().shape)}
+
+
+if __name__ == "__main__":
+    stack, out = sys.argv[1:]
+    profile = detect_local(load_profiles(None))
+    with process_group(profile):
+        result = column_parallel() if stack == "column" else losses(stack)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with open(out, "w") as handle:
+                json.dump(result, handle)

@@ -1,0 +1,167 @@
+"""Data parallelism and sharding on real gloo process groups (suites/techniques/parallel.py): the same
+losses as one process, the shards' bytes, cells on several ranks with a row each, multi-node rendezvous,
+and plans sliced for job arrays."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from harness.measure.distributed import fold
+from harness.plan import parse_shard, plan_run, shard
+from harness.profiles import detect_local, load_profiles
+from harness.records import Record
+from tests.parallel_worker import losses
+
+PROFILES = load_profiles(None)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _worker(stack: str, tmp_path, launcher: list[str]) -> dict:
+    out = tmp_path / f"{stack}.json"
+    done = subprocess.run([*launcher, "tests/parallel_worker.py", stack, str(out)], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def single():
+    return losses("baseline")
+
+
+@pytest.mark.parametrize("stack", ["data-parallel", "zero1", "fsdp", "fsdp-zero2"])
+def test_two_ranks_give_the_single_process_losses(stack, single, tmp_path):
+    result = _worker(stack, tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
+    # Same seed, same global batch split in two: the mean of the ranks' losses and the step after the
+    # averaged gradients are the single process's, to float tolerance.
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    assert result["comm"] > 0
+    if stack.startswith("fsdp"):
+        assert result["local_params"] * 2 == single["local_params"]  # every parameter sharded in two
+    if stack != "data-parallel":
+        assert result["optimizer_bytes"] == pytest.approx(single["optimizer_bytes"] / 2, rel=0.03)
+    else:
+        assert result["optimizer_bytes"] == single["optimizer_bytes"]  # a full replica per rank
+
+
+def test_tensor_parallel_shards_whole_heads_and_keeps_the_loss(single, tmp_path):
+    from suites.workloads import get_workload
+
+    result = _worker("tensor-parallel", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    workload = get_workload("gpt")
+    model = workload.build(workload.size("smoke"))
+    # Column-parallel layers shard weight and bias, row-parallel ones their weight (the bias is added once,
+    # replicated); embeddings and norms stay whole on every rank.
+    halved = sum(block.attn.qkv.weight.numel() + block.attn.qkv.bias.numel() + block.attn.proj.weight.numel()
+                 + block.mlp.up.weight.numel() + block.mlp.up.bias.numel() + block.mlp.proj.weight.numel()
+                 for block in model.blocks)
+    assert result["local_params"] == single["local_params"] - halved // 2
+
+
+def test_a_column_parallel_layer_equals_the_whole_layer_and_the_guides_sample_does_not(tmp_path):
+    result = _worker("column", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
+    assert result["max_error"] == 0.0 and result["local_shape"] == [4, 4]  # each rank: half the outputs
+    # The guide's sample (C13), run for both ranks: it chunks the input's batch, multiplies by the rank's
+    # weight shard and concatenates that same local output world_size times instead of gathering.
+    torch.manual_seed(0)
+    weight, x = torch.randn(8, 16), torch.randn(4, 16)
+    whole = torch.nn.functional.linear(x, weight)
+    world = 2
+    for rank in range(world):
+        local = torch.nn.functional.linear(x.chunk(world)[rank], weight.chunk(world)[rank])
+        guide = torch.cat([local for _ in range(world)], dim=-1)
+        assert guide.shape != whole.shape  # half the samples: the other rank's rows are missing
+        assert not torch.allclose(guide, whole[rank * 2:(rank + 1) * 2])  # and the columns repeat one shard
+    gathered = torch.cat([torch.nn.functional.linear(x, w) for w in weight.chunk(world)], dim=-1)
+    torch.testing.assert_close(gathered, whole)  # the fix: shard the weight's outputs, gather every rank's part
+
+
+def test_two_nodes_meet_through_a_c10d_rendezvous_on_loopback(single, tmp_path):
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "fsdp.json"
+    command = [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=headroom-test", "tests/parallel_worker.py", "fsdp",
+               str(out)]
+    nodes = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=180)
+        assert node.returncode == 0, stderr[-2000:]
+    assert json.loads(out.read_text())["losses"] == pytest.approx(single["losses"], rel=1e-5)
+
+
+def test_a_cell_on_two_ranks_has_a_row_per_rank_and_the_maximum(tmp_path):
+    from harness.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline,fsdp", "--mode", "train",
+                 "--world-size", "2", "--out", str(out), "--steps", "10", "--repeats", "1", "--no-accuracy"]) == 0
+    frame = pd.read_csv(out / "results.csv")
+    fsdp = frame[frame["technique"] == "fsdp"]
+    assert sorted(fsdp["rank"].fillna(-1).astype(int)) == [-1, 0, 1] and (fsdp["world_size"] == 2).all()
+    cell, ranks = fsdp[fsdp["rank"].isna()].iloc[0], fsdp[fsdp["rank"].notna()]
+    assert cell["status"] == "ok" and cell["peak_allocated_bytes"] == ranks["peak_allocated_bytes"].max()
+    assert cell["step_time_ms_p50"] == ranks["step_time_ms_p50"].max() and cell["comm_bytes_per_step"] > 0
+    baseline = frame[(frame["technique"] == "baseline") & (frame["source"] == "measured")]
+    assert len(baseline) == 1 and baseline["world_size"].iloc[0] == 1  # not a parallel stack: one process
+    # Sharded: each rank holds half the parameters the single process holds.
+    assert ranks["params_bytes"].max() < baseline["params_bytes"].iloc[0] * 0.6
+
+
+def _row(rank_status: str, peak: int, step: float) -> Record:
+    return Record(run_id="r", workload="gpt", size="smoke", mode="train", technique="fsdp", gpu="cpu",
+                  source="measured", status=rank_status, cell_id="c", world_size=2, peak_allocated_bytes=peak,
+                  step_time_ms_p50=step, throughput_samples_s=100.0 / step if step else None)
+
+
+def test_folding_takes_the_worst_rank_and_names_a_rank_that_died():
+    rows = fold([_row("ok", 10, 2.0), _row("ok", 30, 1.0)], missing_row=None)
+    assert [r.rank for r in rows] == [None, 0, 1] and rows[0].cell_id == "c" and rows[2].cell_id == "c__rank1"
+    assert rows[0].peak_allocated_bytes == 30 and rows[0].step_time_ms_p50 == 2.0
+    assert rows[0].throughput_samples_s == pytest.approx(50.0)
+    died = fold([_row("ok", 10, 2.0), None], missing_row=lambda rank: _row("error", None, None))
+    assert died[0].status == "error" and died[0].reason.startswith("rank 1 of 2")
+    assert died[2].status == "error" and died[1].status == "ok"
+
+
+def test_shards_split_the_plan_into_disjoint_slices_that_cover_it():
+    local = detect_local(PROFILES)
+    plan = plan_run(local, None, workloads=["gpt", "bert"], profiles=PROFILES, stacks=["baseline", "amp-bf16"])
+    slices = [shard(plan, index, 3) for index in (1, 2, 3)]
+    cells = [cell for part in slices for cell in part.cells]
+    assert len(cells) == len(plan.cells) and set(cells) == set(plan.cells)
+    assert all(part.measured for part in slices)  # measured cells are dealt to every slice
+    assert parse_shard("2/8") == (2, 8)
+    for bad in ("0/3", "4/3", "x", "1/2/3"):
+        with pytest.raises(ValueError, match="--shard"):
+            parse_shard(bad)
+
+
+def test_a_parallel_stack_cannot_be_projected_yet_and_says_so():
+    from harness.cell import Cell
+    from harness.runner import RunnerOptions, run_cell
+
+    cell = Cell("gpt", "gpt2-124m", "train", "fsdp", "h100-sxm", 8, source="projected")
+    row = run_cell(cell, PROFILES, RunnerOptions(run_id="t"))[0]
+    assert row.status == "unsupported" and "torchrun" in row.reason
+
+
+def test_a_rank_that_hangs_is_named_and_the_finished_ranks_keep_their_rows():
+    from harness.cell import Cell
+    from harness.runner import RunnerOptions, run_isolated
+
+    cell = Cell("gpt", "smoke", "train", "fsdp", "cpu", 4, world_size=2).resolve(PROFILES)
+    rows = run_isolated(cell, RunnerOptions(run_id="t", cell_entry="tests.rank_cell", cell_timeout_s=15))
+    assert [row.rank for row in rows] == [None, 0, 1]
+    assert rows[1].status == "ok" and rows[1].peak_allocated_bytes == 1024
+    assert rows[2].status == "timeout" and rows[2].reason.startswith("rank 1 wrote no row: still running")
+    assert rows[0].status == "timeout" and rows[0].reason.startswith("rank 1 of 2")
