@@ -323,7 +323,9 @@ def cmd_run(args) -> int:
     if args.shard:
         from harness.plan import parse_shard, shard
 
-        plan = shard(plan, *parse_shard(args.shard))
+        whole, plan = plan, shard(plan, *parse_shard(args.shard))
+    else:
+        whole = plan
     measured, projected, foreign, cells = plan.measured, plan.projected, plan.foreign, plan.cells
     run_id = new_run_id()
     store = ResultsStore(args.out or Path("results") / run_id)
@@ -364,7 +366,7 @@ def cmd_run(args) -> int:
                        retry_failed=args.retry_failed)
     from harness.cli_accuracy import accuracy_stage
 
-    accuracy = accuracy_stage(args, plan, local, store, console)
+    accuracy = accuracy_stage(args, whole, local, store, console)  # the whole plan's stacks (shard 1 measures)
     frame = store.write_frame()
     from harness.cli_speed import write_run_ledger
 

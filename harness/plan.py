@@ -141,9 +141,12 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def shard(plan: RunPlan, index: int, count: int) -> RunPlan:
-    """The `index`-th (from 1) of `count` disjoint slices of the plan's cells, dealt round-robin so every slice
-    gets its share of slow measured cells; the slices together are the whole plan. Each writes its own
-    results folder and `headroom report` merges them (a Slurm array: --shard $SLURM_ARRAY_TASK_ID/N)."""
-    kept = set(plan.cells[index - 1::count])
-    return dataclasses.replace(plan, measured=[c for c in plan.measured if c in kept],
-                               projected=[c for c in plan.projected if c in kept])
+    """The `index`-th (from 1) of `count` disjoint slices of the plan's cells; the slices together are the whole
+    plan. Measured cells are dealt round-robin (every slice gets its share of the slow ones), each with its
+    projected twin (a twin is matched within its run), then the other projected cells. Each slice writes its
+    own results folder and `headroom report` merges them (a Slurm array: --shard $SLURM_ARRAY_TASK_ID/N)."""
+    measured = plan.measured[index - 1::count]
+    twins = {dataclasses.replace(c, source="projected") for c in plan.measured}
+    others = [c for c in plan.projected if c not in twins]
+    kept = {dataclasses.replace(c, source="projected") for c in measured} | set(others[index - 1::count])
+    return dataclasses.replace(plan, measured=measured, projected=[c for c in plan.projected if c in kept])

@@ -113,11 +113,15 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record | 
         # by --model is imported from there on purpose (suites/workloads/user.py).
         command = [sys.executable, "-P", "-m", options.cell_entry, str(spec_path), str(result_path)]
         ranks = named.world_size if isinstance(cell, ResolvedCell) and runs_on_ranks(cell) else 0
+        # A headroom itself started by torchrun (or a job scheduler) must not make its cells think they are ranks.
+        env = {k: v for k, v in env.items() if k not in distributed.LAUNCH_VARIABLES
+               and not k.startswith("TORCHELASTIC_")}
         if ranks:
             command = distributed.torchrun_command(ranks, options.cell_entry, [str(spec_path), str(result_path)])
             env["PYTHONSAFEPATH"] = "1"  # torchrun starts its workers without -P: the same protection
         on_host = isinstance(cell, ResolvedCell) and cell.profile.vendor == "cpu"
-        limit = options.cell_memory_bytes if on_host else None
+        # Every rank inherits the limit: together they may use what one cell may.
+        limit = options.cell_memory_bytes // max(1, ranks) if on_host and options.cell_memory_bytes else None
         started = time.perf_counter()
         oom_kills_before = oom_kills()
         with open(Path(tmp) / "stderr.txt", "w+b") as stderr_file:
@@ -134,7 +138,7 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record | 
                 timeout = failure("timeout", f"exceeded --cell-timeout {options.cell_timeout_s:g} s",
                                   wall_time_s=time.perf_counter() - started)
                 if ranks:  # the ranks that finished have rows; the ones still running (hung) are named
-                    return _rank_rows(cell, result_path, ranks, None, "", options.run_id, timeout)
+                    return _rank_rows(cell, result_path, ranks, None, "", options.run_id, None, timeout)
                 return to_record(cell, timeout, options.run_id)
             except BaseException:
                 # Ctrl-C, SIGTERM or SIGHUP on the runner: the cell in flight (and what it started) ends
@@ -145,7 +149,7 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record | 
             _kill_group(process)  # the cell is done: helpers it left behind go with it
             stderr = _tail(stderr_file)
         if ranks:
-            return _rank_rows(cell, result_path, ranks, process.returncode, stderr, options.run_id)
+            return _rank_rows(cell, result_path, ranks, process.returncode, stderr, options.run_id, oom_kills_before)
         if result_path.exists():
             return _result_row(cell, result_path, options.run_id)
         status, reason = _crash_reason(process.returncode, stderr, oom_kills_before)
@@ -174,7 +178,7 @@ def runs_on_ranks(cell: ResolvedCell) -> bool:
 
 
 def _rank_rows(cell, result_path: Path, ranks: int, returncode: int | None, stderr: str, run_id: str,
-               timeout=None) -> list[Record]:
+               oom_kills_before: int | None = None, timeout=None) -> list[Record]:
     """The cell's row and one per rank (harness/measure/distributed.py); a rank without a row died, or at a
     timeout (`timeout`: the failure) had not finished."""
     rows = []
@@ -184,7 +188,8 @@ def _rank_rows(cell, result_path: Path, ranks: int, returncode: int | None, stde
     if timeout is not None:
         status, reason = timeout.status, f"still running when the cell {timeout.reason}"
     else:
-        status, reason = _crash_reason(returncode, stderr, None) if returncode else ("error", "wrote no row")
+        status, reason = (_crash_reason(returncode, stderr, oom_kills_before) if returncode
+                          else ("error", "wrote no row"))
 
     def missing(index: int) -> Record:
         return to_record(cell, failure(status, f"rank {index} wrote no row: {reason}"), run_id)

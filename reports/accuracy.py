@@ -58,6 +58,8 @@ def judge_c6(frame: pd.DataFrame) -> str:
     if row is None:
         return ("not measured in these results: run headroom run --workload bert --technique param-sharing "
                 "--accuracy")
+    if fmt.missing(row["delta_ci95"]):
+        return f"no verdict: {row['verdict']}"
     low, high = row["delta"] - row["delta_ci95"], row["delta"] + row["delta_ci95"]
     measured = f"measured {100 * row['delta']:+.2f} ± {100 * row['delta_ci95']:.2f} pts ({row['verdict']})"
     if low <= -GUIDE_C6_COST and high >= 0:
@@ -79,6 +81,10 @@ def judge_c9(frame: pd.DataFrame) -> str:
         row = _find(frame, "bert", technique)
         if row is None:
             continue
+        basis = _basis(row)
+        if fmt.missing(row["delta_ci95"]):
+            verdicts.append(f"{technique}: no verdict ({row['verdict']})")
+            continue
         low, high = row["delta"] - row["delta_ci95"], row["delta"] + row["delta_ci95"]
         measured = f"{100 * row['delta']:+.2f} ± {100 * row['delta_ci95']:.2f} pts"
         if low > -GUIDE_C9_LOSS:
@@ -88,7 +94,6 @@ def judge_c9(frame: pd.DataFrame) -> str:
         else:
             verdicts.append(f"{technique}: inconclusive (the interval {measured} spans the 0.5-pt line; more seeds "
                             "narrow it)")
-        basis = _basis(row)
     if not verdicts:
         return "not measured in these results: run headroom run --workload bert --technique ptq-int8 --accuracy"
     return "; ".join(verdicts) + f"; {basis}"

@@ -21,6 +21,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 TABLE_COLUMNS = [
     ("size", "size", fmt.text), ("mode", "mode", fmt.text), ("technique", "technique", fmt.text),
     ("gpu", "GPU", fmt.text), ("source", "source", fmt.text), ("status", "status", fmt.text),
+    ("world_size", "ranks", fmt.text), ("rank", "rank", fmt.text),  # a parallel cell's row has no rank: the max
     ("batch_size", "batch", fmt.text), ("precision", "precision", fmt.text),
     ("peak_allocated_bytes", "peak allocated", fmt.bytes_), ("peak_reserved_bytes", "peak reserved", fmt.bytes_),
     ("peak_reserved_range", "projected reserved range", fmt.text),
@@ -119,7 +120,10 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "run_ids": sorted(frame["run_id"].dropna().unique()) if len(frame) else [],
         "row_count": len(frame),
-        "status_counts": frame["status"].value_counts().to_dict() if len(frame) else {},
+        # Cells, not rows: a parallel cell's rank rows repeat its status.
+        "status_counts": (frame.loc[frame["rank"].isna(), "status"].value_counts().to_dict()
+                          if len(frame) and "rank" in frame else
+                          frame["status"].value_counts().to_dict() if len(frame) else {}),
         "projected_only": sources == ["projected"],
         "projected_gpus": projected_gpus,
         "sources": sources,

@@ -4,6 +4,7 @@ and plans sliced for job arrays."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -140,6 +141,8 @@ def test_shards_split_the_plan_into_disjoint_slices_that_cover_it():
     cells = [cell for part in slices for cell in part.cells]
     assert len(cells) == len(plan.cells) and set(cells) == set(plan.cells)
     assert all(part.measured for part in slices)  # measured cells are dealt to every slice
+    for part in slices:  # each measured cell's projected twin runs in its slice, where it is matched
+        assert {dataclasses.replace(c, source="projected") for c in part.measured} <= set(part.projected)
     assert parse_shard("2/8") == (2, 8)
     for bad in ("0/3", "4/3", "x", "1/2/3"):
         with pytest.raises(ValueError, match="--shard"):
@@ -160,7 +163,7 @@ def test_a_rank_that_hangs_is_named_and_the_finished_ranks_keep_their_rows():
     from harness.runner import RunnerOptions, run_isolated
 
     cell = Cell("gpt", "smoke", "train", "fsdp", "cpu", 4, world_size=2).resolve(PROFILES)
-    rows = run_isolated(cell, RunnerOptions(run_id="t", cell_entry="tests.rank_cell", cell_timeout_s=15))
+    rows = run_isolated(cell, RunnerOptions(run_id="t", cell_entry="tests.rank_cell", cell_timeout_s=40))
     assert [row.rank for row in rows] == [None, 0, 1]
     assert rows[1].status == "ok" and rows[1].peak_allocated_bytes == 1024
     assert rows[2].status == "timeout" and rows[2].reason.startswith("rank 1 wrote no row: still running")

@@ -21,7 +21,7 @@ import torch
 from harness.accuracy import scoring, stats, training
 from suites.tasks import task_for
 from suites.tasks.base import BITS_PER_BYTE, Scored, Task, metric_value
-from suites.techniques import BASELINE, Stack, parse_stack
+from suites.techniques import BASELINE, Stack, Unsupported, parse_stack
 from suites.workloads import get_workload
 
 FILE_NAME = "accuracy.csv"
@@ -161,6 +161,8 @@ def _workload(task: Task, stacks: list[Stack], book: AccuracyBook, profile, devi
         else:
             try:
                 row = _measure(task, stack, trainer, baseline, seeds, data, base, progress)
+            except Unsupported as exc:  # found while applying (a parallel stack outside torchrun)
+                row = AccuracyRow(technique=stack.name, status="unsupported", reason=str(exc), data=data, **base)
             except Exception as exc:  # one stack failing must not lose the others' rows
                 row = AccuracyRow(technique=stack.name, status="error", reason=f"{type(exc).__name__}: {exc}"[:500],
                                   data=data, **base)

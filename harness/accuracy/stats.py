@@ -51,5 +51,5 @@ def compare(values: list[float], baseline: list[float], higher_is_better: bool, 
     if abs(delta) <= half:
         return Comparison(delta, half, "within noise")
     worse = delta < 0 if higher_is_better else delta > 0
-    size = f"{abs(delta) * 100:.2f} pts" if unit == "pts" else f"{abs(delta):.3f} {unit}"
+    size = f"{abs(delta) * 100:.2f} pts" if unit == "pts" else f"{abs(delta):.3g} {unit}"
     return Comparison(delta, half, f"{'degrades' if worse else 'improves'} by {size}")

@@ -22,8 +22,15 @@ RANK_ROW_SUFFIX = "__rank"
 MAX_COLUMNS = ("peak_allocated_bytes", "peak_reserved_bytes", "process_peak_rss_bytes", "params_bytes", "grads_bytes",
                "optimizer_bytes", "activations_bytes", "temporaries_bytes", "step_time_ms_p50", "step_time_ms_p90",
                "step_time_ms_mean", "comm_bytes_per_step", "nvml_process_bytes")
+MAX_COLUMNS += ("usd_per_million_samples", "usd_per_million_tokens", "energy_j_per_sample", "alloc_retries",
+                "step_time_cv")  # the slowest rank's cost goes with the lowest throughput
 MIN_COLUMNS = ("throughput_samples_s", "tokens_per_s", "mfu")
-STATUS_ORDER = ("error", "timeout", "oom", "unsupported", "ok")  # the worst rank's status is the cell's
+# The worst rank's status is the cell's. A rank out of memory decides first: its peers then fail in a
+# collective (a closed connection, or a hang until the timeout), which is its consequence, not the cause.
+STATUS_ORDER = ("oom", "error", "timeout", "unsupported", "ok")
+# What torchrun (or a scheduler's launcher) sets in a rank's environment.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                    "MASTER_PORT")
 
 
 def rank() -> int:
@@ -81,6 +88,7 @@ def fold(rank_rows: list[Record | None], missing_row) -> list[Record]:
     for column in MIN_COLUMNS:
         figures = [getattr(r, column) for r in rows if getattr(r, column) is not None]
         values[column] = min(figures) if figures else None
+    values["noisy"] = any(r.noisy for r in rows) if any(r.noisy is not None for r in rows) else None
     return [dataclasses.replace(cell, **values), *rows]
 
 

@@ -89,7 +89,8 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         unset = {name: value for name, value in run.env.items() if os.environ.get(name) != value}
         if unset:
             raise RestartWithEnvironment(unset)
-        run.model = run.model.to(device)
+        if not run.placed:  # parallel stacks put their shards where they belong (host memory for cpu-offload)
+            run.model = run.model.to(device)
         step = Step(run, device)
         # Every rank draws the same global batch and keeps its slice (data-parallel and sharded stacks).
         global_batch = workload.batch(spec, cell.batch_size, generator)

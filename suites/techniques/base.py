@@ -66,6 +66,8 @@ class Run:
         input_dtype: floating inputs are cast to it before inference (a model held in 16 bits).
         data_parallel: ranks the global batch is split over (data-parallel and sharded stacks).
         comm_bytes_per_step: bytes each rank sends per step for a parallel stack (ring algorithms).
+        placed: a parallel technique put the model on its devices (FSDP2 offload keeps shards on the host),
+            so measurement must not move it.
         allocator: the CUDA caching allocator's setting (`native`, `expandable_segments`, `cudaMallocAsync`).
         env: environment variables the cell process must have before the device starts.
         notes: facts worth recording in the row's reason/notes.
@@ -89,6 +91,7 @@ class Run:
     allocator: str = "native"
     data_parallel: int = 1
     comm_bytes_per_step: int | None = None
+    placed: bool = False
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 

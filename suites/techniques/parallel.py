@@ -65,6 +65,7 @@ def _apply_ddp(run: Run) -> None:
     device = rank_device(run)
     run.model = DistributedDataParallel(run.model.to(device), device_ids=[device.index] if device.index is not None
                                         else None)
+    run.placed = True
     grads = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
     world = dist.get_world_size()
     # A ring all-reduce sends 2 (N - 1) / N of the buffer from each rank (Patarasuk & Yuan 2009).
@@ -84,6 +85,9 @@ def _apply_zero1(run: Run) -> None:
                 if k in accepted and k not in ("differentiable", "capturable")}
     run.optimizer_factory = lambda params: ZeroRedundancyOptimizer(params, optimizer_class=type(template),
                                                                    **defaults)
+    world = distributed().get_world_size()
+    params = sum(p.numel() * p.element_size() for p in run.model.parameters())
+    run.comm_bytes_per_step += int((world - 1) / world * params)  # each rank's updated shard goes to the others
     run.notes.append("ZeRO-1: each rank keeps and steps 1/N of the optimizer state, then broadcasts its parameters")
 
 
@@ -101,6 +105,7 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool) -> None:
     for block in blocks:  # one all-gather per block: only one block's parameters are whole at a time
         fully_shard(block, **options)
     fully_shard(run.model, **options)
+    run.placed = True
     params = sum(p.numel() * p.element_size() for p in run.model.parameters())  # the global (unsharded) bytes
     world = dist.get_world_size()
     gathers = 1 if not reshard_after_forward else 2  # forward, and again for the backward unless kept
@@ -157,6 +162,7 @@ def _apply_tp(run: Run) -> None:
     if not sharded:
         raise Unsupported(f"{run.workload.name} declares no attention or MLP modules to shard")
     run.optimizer_factory = _grouped(run.optimizer_factory)
+    run.placed = True
     activations = run.size.seq_len * run.size.config.get("n_embd", 0) * 4  # fp32 bytes per sample
     # Each row-parallel output is all-reduced forward and its input's gradient backward: two per module.
     run.comm_bytes_per_step = int(2 * (ranks - 1) / ranks * activations * run.batch_size * 2 * sharded)
