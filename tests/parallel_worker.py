@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from harness.measure.distributed import process_group, rank_slice
+from harness.measure.distributed import leave_together, process_group, rank_slice
 from harness.measure.tensors import optimizer_state_bytes
 from harness.profiles import detect_local, load_profiles
 from suites.step import Step
@@ -63,6 +63,7 @@ if __name__ == "__main__":
     profile = detect_local(load_profiles(None))
     with process_group(profile):
         result = column_parallel() if stack == "column" else losses(stack)
+        leave_together()
         if not dist.is_initialized() or dist.get_rank() == 0:
             with open(out, "w") as handle:
                 json.dump(result, handle)

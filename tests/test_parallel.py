@@ -28,7 +28,8 @@ def _worker(stack: str, tmp_path, launcher: list[str]) -> dict:
     out = tmp_path / f"{stack}.json"
     done = subprocess.run([*launcher, "tests/parallel_worker.py", stack, str(out)], capture_output=True, text=True,
                           timeout=180)
-    assert done.returncode == 0, done.stderr[-2000:]
+    # The ranks' own messages come first, torchrun's summary of who died last: show both.
+    assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-1500:]
     return json.loads(out.read_text())
 
 

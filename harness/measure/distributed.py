@@ -60,6 +60,16 @@ def process_group(profile):
         dist.destroy_process_group()
 
 
+def leave_together() -> None:
+    """Wait for every rank before tearing the group down. A rank that closes its connections while a peer
+    still finishes a collective can make gloo's TCP transport abort that peer (SIGABRT) instead of raising,
+    losing its row. Only for ranks that finished well: one that failed may have left its peers mid-step."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def torchrun_command(world_size: int, entry: str, arguments: list[str]) -> list[str]:
     """torchrun, on this machine's loopback (c10d standalone rendezvous), one process per rank, no restarts:
     a rank that fails ends the cell, whose rows then say which."""

@@ -46,6 +46,8 @@ def measure_spec(spec: dict) -> Record:
         resolved = cell.resolve(load_profiles(spec.get("profiles_dir")))
         with distributed.process_group(resolved.profile):  # under torchrun: this rank's part of the group
             outcome = measure(resolved, MeasureSettings(**spec["settings"]))
+            if outcome.status == "ok":
+                distributed.leave_together()
     except RestartWithEnvironment as restart:
         if os.environ.get(RESTARTED):
             outcome = failure("error", f"the stack's environment {restart.env} did not hold after a restart")
