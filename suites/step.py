@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from suites.techniques.adapters import store_frozen_in
 from suites.techniques.base import Run
 from suites.workloads.base import Batch
 
@@ -67,7 +68,11 @@ class Step:
         self.train = run.mode == "train"
         run.model.train(self.train)
         self.model = _compiled(run.model, device) if run.compiled else run.model
-        self.optimizer = run.optimizer_factory(self.model.parameters()) if self.train else None
+        if self.train and run.autocast_dtype is not None:
+            store_frozen_in(run.model, run.autocast_dtype)
+        # Only what trains gets optimizer state (frozen adapter bases get none, whatever the optimizer).
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = run.optimizer_factory(trainable) if self.train else None
         self.scaler = torch.amp.GradScaler(device.type) if run.loss_scaling else None
         self.generates = not self.train and run.workload.serving is not None and run.size.gen_len is not None
         self._cache = None  # (batch size, the KV cache generations reuse)

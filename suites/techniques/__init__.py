@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from suites.recipes import RECIPES
 from suites.techniques import (
     accumulation,  # T6
+    adapters,  # LoRA, QLoRA
     allocator,  # T18
     checkpointing,  # T5
     dynamic_sparsity,  # T12
@@ -43,6 +44,7 @@ FAMILIES = [
     serving,
     allocator,
     optimizers,
+    adapters,
     parallel,
 ]
 
@@ -107,6 +109,17 @@ class Stack:
         return run
 
 
+def _configured(technique: Technique, text: str) -> Technique:
+    """The variant `name:key=value:key=value` asks for (colons, as commas separate stacks on the command
+    line); ValueError (one line) for a technique without options or a malformed one."""
+    if technique.configure is None:
+        raise ValueError(f"technique {technique.id!r} takes no options; write it as {technique.id}")
+    pairs = [item.partition("=") for item in text.split(":")]
+    if any(not key or not sep or not value for key, sep, value in pairs):
+        raise ValueError(f"options of {technique.id} are written key=value:key=value; got {text!r}")
+    return technique.configure({key.strip(): value.strip() for key, _, value in pairs})
+
+
 def technique_names() -> list[str]:
     return [BASELINE, *TECHNIQUES]
 
@@ -140,12 +153,15 @@ def parse_stack(text: str) -> Stack:
     for part in parts:
         if part == BASELINE:
             raise ValueError(f"'baseline' means no technique and cannot be stacked: {text!r}")
+        part, _, options = part.partition(":")
         if part not in TECHNIQUES:
             close = difflib.get_close_matches(part, stack_names(), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown technique {part!r} in stack {text!r}{hint} "
                              f"(valid: {', '.join(stack_names())})")
         technique = TECHNIQUES[part]
+        if options:
+            technique = _configured(technique, options)
         if technique in techniques:
             raise ValueError(f"technique {part!r} appears twice in stack {text!r}")
         clash = next((t for t in techniques if t.exclusive and t.exclusive == technique.exclusive), None)

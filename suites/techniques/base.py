@@ -119,6 +119,8 @@ class Technique:
             to, not by training with it from scratch.
         fine_tune: its recipe fine-tunes after applying it (pruning and low-rank recover, 2:4 retrains
             with its mask, QAT fine-tunes with fake quantisation); only for post-training techniques.
+        configure: for a technique with options (`lora:r=16`), {option: text} -> the variant with them
+            (ValueError naming a bad option); None for a technique without options.
     """
 
     id: str
@@ -132,6 +134,7 @@ class Technique:
     order: int = 0
     post_training: bool = False
     fine_tune: bool = False
+    configure: Callable[[dict[str, str]], Technique] | None = None
 
     def __post_init__(self) -> None:
         if self.fine_tune and not self.post_training:
