@@ -8,6 +8,7 @@ import torch
 
 from harness.cell import Cell
 from harness.measure.local import MeasureSettings, measure
+from harness.measure.tensors import optimizer_state_bytes
 from harness.outcome import to_record
 from harness.profiles import load_profiles
 from harness.project import project
@@ -56,3 +57,46 @@ def test_a_fused_step_is_measured_and_learns_as_the_foreach_one_does():
 def test_optim_fused_is_a_training_technique():
     cell = Cell("gpt", "smoke", "infer", "optim-fused", "h100-sxm", 2).resolve(PROFILES)
     assert "only affects training" in cell.unsupported
+
+
+@pytest.mark.parametrize("bits, moment_bytes, block", [(8, 1.0, 256), (4, 0.5, 128)])
+def test_low_bit_adam_keeps_its_moments_in_the_bytes_stated_and_learns(bits, moment_bytes, block):
+    from suites.techniques.optimizers import low_bit_adamw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024, bias=False), torch.nn.GELU(),
+                                torch.nn.Linear(1024, 256, bias=False))
+    optimizer = low_bit_adamw(bits)(model.parameters())
+    optimizer.param_groups[0]["lr"].fill_(1e-3)  # torchao keeps lr as a tensor
+    x = torch.randn(64, 256)
+    target = torch.randn(64, 256)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    n = sum(p.numel() for p in model.parameters())
+    # Two moments of `moment_bytes` per parameter, each block of `block` values with one fp32 scale,
+    # against fp32 AdamW's 8 bytes per parameter; each moment tensor also carries its code map (2^bits
+    # fp32 values), and each parameter a step counter.
+    moments = 2 * len(optimizer.state)
+    expected = 2 * n * moment_bytes + 2 * (n // block) * 4 + moments * 4 * 2**bits + 4 * len(optimizer.state)
+    assert optimizer_state_bytes(optimizer) == expected
+
+
+def test_low_bit_optimizers_are_projected_with_their_compiled_step():
+    fp32, eight, four = (_projected(t) for t in ("baseline", "optim-8bit", "optim-4bit"))
+    # Per parameter, fp32 AdamW keeps 8 bytes; 8-bit 2 bytes + two fp32 scales per 256; 4-bit 1 byte + two
+    # per 128 (biases and norms, under 4,096 values, stay fp32: a fraction of a percent of gpt2's weights).
+    assert eight.memory.optimizer == pytest.approx(fp32.memory.optimizer * (2 + 8 / 256) / 8, rel=0.01)
+    assert four.memory.optimizer == pytest.approx(fp32.memory.optimizer * (1 + 8 / 128) / 8, rel=0.01)
+    # Costed as torchao's compiled step: one kernel per parameter that reads the parameter, its gradient
+    # and its moments and writes the parameter and moments back, not the eager trace's dozens of ops.
+    shapes = {s: n for s, n in eight.trace.ops.items() if s.phase == "optimizer"}
+    assert all(s.kernels == 1 and s.op_class == "memory" for s in shapes)
+    moved = sum(s.bytes * n for s, n in shapes.items())
+    trace = eight.trace
+    assert moved == pytest.approx(2 * trace.params_bytes + trace.grads_bytes + 2 * trace.optimizer_bytes, rel=0.01)

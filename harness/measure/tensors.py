@@ -36,6 +36,12 @@ def _leaves(tensor: torch.Tensor) -> Iterable[torch.Tensor]:
         yield tensor
 
 
+def nbytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor's elements take, through wrapper subclasses (quantised states and weights);
+    unlike storage_bytes it works on fake tensors, whose storages have no addresses."""
+    return sum(leaf.numel() * leaf.element_size() for leaf in _leaves(tensor))
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Total bytes of the distinct storages behind `tensors`."""
     seen: dict[tuple[str, int], int] = {}

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from harness.cell import ResolvedCell
+from harness.measure.tensors import nbytes
 from harness.project.autocast_policy import cuda_autocast_policy
 from harness.project.lean_import import import_mem_tracker
 from suites.step import Step
@@ -340,6 +341,22 @@ class _OpCostMode(TorchDispatchMode):
         return out
 
 
+def compiled_optimizer_ops(optimizer: torch.optim.Optimizer) -> dict[OpShape, int]:
+    """torchao's low-bit AdamW step as it runs on a GPU: torch.compile fuses each parameter's update
+    (dequantise the moments, update, requantise, apply) into one kernel that reads the parameter, its
+    gradient and its quantised moments and writes the parameter and the moments back. The eager trace of
+    that step would count each of its dozens of elementwise ops as a kernel of its own."""
+    ops: dict[OpShape, int] = defaultdict(int)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            states = sum(nbytes(t) for t in optimizer.state[param].values() if isinstance(t, torch.Tensor))
+            moved = 2 * nbytes(param) + nbytes(param.grad) + 2 * states
+            ops[OpShape("optimizer", "memory", str(param.dtype).removeprefix("torch."), 0.0, float(moved))] += 1
+    return ops
+
+
 def _cpu_attention_flops(name: str, args) -> float:
     """The CPU fused attention ops (and headroom's int8-KV attention) have no flop formula registered;
     use the CUDA ones' formulas (same math) so a trace on the CPU device counts what the GPU's attention
@@ -384,7 +401,9 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
     """Trace one steady-state step of the run `run_factory()` builds, as `profile` would run it."""
     rounding = 1 if profile.vendor == "cpu" else CUDA_ROUNDING
     notes = []
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    # torch.compile cannot run on fake tensors (it crashes the process), so compiled functions run eagerly
+    # here: the model's compile is skipped anyway (suites/step.py), torchao's low-bit optimizer step is not.
+    with FakeTensorMode(allow_non_fake_inputs=False), torch.compiler.set_stance("force_eager"):
         run: Run = run_factory()
         stack.apply(run)
         if run.loss_scaling:
@@ -438,13 +457,19 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             with tracker, costs:
                 step(batch, mark=mark)
             end = tracker.by_category()
+    ops = dict(costs.ops)
+    if step.optimizer is not None and type(step.optimizer).__module__.startswith("torchao"):
+        ops = {shape: n for shape, n in ops.items() if shape.phase != "optimizer"}
+        ops.update(compiled_optimizer_ops(step.optimizer))
+        notes.append("optimizer step traced eagerly (memory: its temporaries are an upper bound) and costed as "
+                     "torchao's compiled step runs, one kernel per parameter")
     activations = marks["forward_end"]["total"] - marks["forward_start"]["total"] if run.mode == "train" else (
         tracker.peak - marks["forward_start"]["total"])
     return StepTrace(
         peak_bytes=tracker.peak, at_peak=tracker.at_peak, params_bytes=end.get("params", 0),
         grads_bytes=end.get("grads", 0) if run.mode == "train" else 0,
         optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
-        ops=dict(costs.ops), baseline_bytes=baseline, precision=run.precision, tf32=run.tf32,
+        ops=ops, baseline_bytes=baseline, precision=run.precision, tf32=run.tf32,
         compiled=run.compiled, allocator=run.allocator,
         notes=notes + run.notes,
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
