@@ -88,6 +88,7 @@ def _v8_to_v9(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 DISTRIBUTED_COLUMNS = ("rank", "comm_bytes_per_step")
+OFFLOAD_AND_WARMUP_COLUMNS = ("host_bytes", "warmup_s")
 ACCURACY_COLUMNS = ("accuracy_seeds", "accuracy_delta_ci95", "accuracy_verdict", "accuracy_agreement", "accuracy_kl",
                     "accuracy_basis")
 
@@ -101,9 +102,17 @@ def _v9_to_v10(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def _v10_to_v11(frame: pd.DataFrame) -> pd.DataFrame:
+    """Schema 11 added offloaded host bytes and the warm-up's seconds: neither was recorded before it."""
+    for column in OFFLOAD_AND_WARMUP_COLUMNS:
+        frame[column] = None
+    frame["schema_version"] = 11
+    return frame
+
+
 # version -> function taking a frame of that version to the next one.
 MIGRATIONS = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6, 6: _v6_to_v7, 7: _v7_to_v8,
-              8: _v8_to_v9, 9: _v9_to_v10}
+              8: _v8_to_v9, 9: _v9_to_v10, 10: _v10_to_v11}
 
 
 def migrate(frame: pd.DataFrame, version: int) -> pd.DataFrame:

@@ -48,6 +48,7 @@ class MemoryFigures:
     peak_reserved_high: int | None = None
     peak_reserved_cells: int | None = None
     kv_cache: int | None = None  # a served decoder's KV cache (apart from `params`, the weights)
+    host: int | None = None  # offloaded state in host memory (not in any device figure above)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class SpeedFigures:
     step_time_ms_low: float | None = None  # projected only: the ledger's interval
     step_time_ms_high: float | None = None
     step_time_cells: int | None = None
+    warmup_s: float | None = None  # measured only: the warm-up steps (compilation), kept out of step times
 
 
 @dataclass
@@ -162,7 +164,7 @@ def _memory_columns(memory: MemoryFigures) -> dict:
     return dict(
         peak_allocated_bytes=memory.peak_allocated, peak_reserved_bytes=memory.peak_reserved,
         peak_reserved_expandable_bytes=memory.reserved_expandable, peak_reserved_async_bytes=memory.reserved_async,
-        device_overhead_bytes=memory.device_overhead, library_workspace_bytes=memory.library_workspaces,
+        host_bytes=memory.host, device_overhead_bytes=memory.device_overhead, library_workspace_bytes=memory.library_workspaces,
         params_bytes=memory.params, grads_bytes=memory.grads, optimizer_bytes=memory.optimizer,
         activations_bytes=memory.activations, temporaries_bytes=memory.temporaries, param_count=memory.param_count,
         process_peak_rss_bytes=memory.process_peak_rss, alloc_retries=memory.alloc_retries,
@@ -189,7 +191,7 @@ def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: f
                 step_time_ms_mean=speed.step_time_ms_mean,
                 step_time_cv=speed.step_time_cv, noisy=speed.noisy, timed_steps=speed.timed_steps,
                 step_time_ms_low=speed.step_time_ms_low, step_time_ms_high=speed.step_time_ms_high,
-                step_time_cells=speed.step_time_cells,
+                step_time_cells=speed.step_time_cells, warmup_s=speed.warmup_s,
                 throughput_samples_s=speed.throughput_samples_s, **derived)
 
 

@@ -26,7 +26,7 @@ import pandas as pd
 
 from harness.migrations import migrate
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 # A measured cell whose repeats' mean step times vary by more than this (coefficient of variation),
 # or whose mean step time is more than twice this off its median, is flagged `noisy`: its timings are
 # not to be trusted to a few percent (harness/measure/timing.py).
@@ -80,6 +80,7 @@ class Record:
     optimizer_bytes: int | None = None
     activations_bytes: int | None = None
     temporaries_bytes: int | None = None
+    host_bytes: int | None = None  # state offloaded to host memory (optimizer offload, FSDP's CPU offload)
     param_count: int | None = None
     # speed
     step_time_ms_p50: float | None = None
@@ -88,6 +89,7 @@ class Record:
     step_time_cv: float | None = None
     noisy: bool | None = None
     timed_steps: int | None = None
+    warmup_s: float | None = None  # measured: the warm-up steps before timing (compilation, autotuning), apart
     throughput_samples_s: float | None = None
     tokens_per_s: float | None = None  # generation rows: generated tokens (all sequences) per second
     flops_per_step: float | None = None

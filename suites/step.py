@@ -56,7 +56,10 @@ def _compiled(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     the compiled step."""
     if any(is_fake(p) for p in model.parameters()):
         return model
-    return torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else None)
+    # Training keeps the default mode: CUDA graphs would need static gradient and optimizer buffers, and
+    # nanoGPT- and torchtitan-style training compiles without them.
+    graphs = device.type == "cuda" and not model.training
+    return torch.compile(model, mode="reduce-overhead" if graphs else None)
 
 
 class Step:
@@ -67,7 +70,7 @@ class Step:
         self.device = device
         self.train = run.mode == "train"
         run.model.train(self.train)
-        self.model = _compiled(run.model, device) if run.compiled else run.model
+        self.model = _compiled(run.model, device) if run.compiled else run.model  # after train(): it picks the mode
         if self.train and run.autocast_dtype is not None:
             store_frozen_in(run.model, run.autocast_dtype)
         # Only what trains gets optimizer state (frozen adapter bases get none, whatever the optimizer).

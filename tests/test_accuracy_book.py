@@ -89,6 +89,20 @@ def test_a_decoder_is_scored_as_served_so_the_int8_cache_counts(tiny_budgets, lo
     assert math.isfinite(pruned.accuracy)
 
 
+def test_adapters_are_compared_with_full_fine_tuning_of_the_same_model(tiny_budgets, local, tmp_path):
+    book = AccuracyBook(tmp_path)
+    measure_accuracy({"gpt": ["lora", "qlora"]}, book, local, torch.device("cpu"), seeds=2,
+                     progress=lambda line: None)
+    base, lora, qlora = (book.rows[("gpt", name)] for name in ("baseline", "lora", "qlora"))
+    for row in (lora, qlora):
+        assert row.status == "ok" and row.verdict.endswith("vs full fine-tuning")
+        assert "compared (baseline column, delta, fidelity) with full fine-tuning" in row.notes
+        # The reference is the baseline fine-tuned whole for the same steps, so it moved from the baseline.
+        assert row.baseline != pytest.approx(base.accuracy, abs=1e-9)
+        assert row.delta == pytest.approx(row.accuracy - row.baseline)
+    assert lora.baseline == pytest.approx(qlora.baseline)  # the same full fine-tunes, measured once per seed
+
+
 def test_served_scoring_matches_a_full_forward_and_reads_the_int8_cache(local):
     task = tasks.TASKS["gpt"]
     budget = dataclasses.replace(TINY["gpt"], eval_samples=4)

@@ -249,15 +249,17 @@ def test_read_unknown_schema_version(tmp_path):
 
 def test_schema_7_rows_gain_empty_generation_nvml_and_accuracy_columns(tmp_path):
     # Before schema 8 a decoder's inference was one forward: its rows have no generation figures; before 9
-    # nothing sampled NVML; before 10 no accuracy was measured. All are unknown, not zero.
-    from harness.migrations import ACCURACY_COLUMNS, DISTRIBUTED_COLUMNS, NVML_COLUMNS, SERVING_COLUMNS
+    # nothing sampled NVML; before 10 no accuracy was measured; before 11 nothing recorded offloaded bytes or
+    # the warm-up's time. All are unknown, not zero.
+    from harness.migrations import (ACCURACY_COLUMNS, DISTRIBUTED_COLUMNS, NVML_COLUMNS, OFFLOAD_AND_WARMUP_COLUMNS,
+                                    SERVING_COLUMNS)
     from harness.records import SCHEMA_VERSION
 
-    added = [*SERVING_COLUMNS, *NVML_COLUMNS, *ACCURACY_COLUMNS, *DISTRIBUTED_COLUMNS]
+    added = [*SERVING_COLUMNS, *NVML_COLUMNS, *ACCURACY_COLUMNS, *DISTRIBUTED_COLUMNS, *OFFLOAD_AND_WARMUP_COLUMNS]
     frame = records_frame([_record("a", mode="infer", seq_len=1024).to_dict()])
     frame.drop(columns=added).assign(schema_version=7).to_csv(tmp_path / "v7.csv", index=False)
     back = read_results(tmp_path / "v7.csv")
-    assert list(back.columns) == COLUMNS and back.loc[0, "schema_version"] == SCHEMA_VERSION == 10
+    assert list(back.columns) == COLUMNS and back.loc[0, "schema_version"] == SCHEMA_VERSION == 11
     assert all(back.loc[0, column] is pd.NA for column in added) and back.loc[0, "seq_len"] == 1024
 
 

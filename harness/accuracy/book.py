@@ -29,11 +29,11 @@ DEFAULT_SEEDS = 3
 # The default run's accuracy budget, per workload, sized so `nox -s bench` stays under 15 minutes on 2 CPU
 # cores: the techniques the guide makes accuracy claims about (C6 sharing and C9 int8, both on BERT) and
 # those a buyer of a smaller GPU reaches for (bf16 training, int4 weights and an int8 KV cache to serve a
-# decoder; int8 and pruning for a vision model). ResNet's bf16 training is left out: CPUs have no native
+# decoder, LoRA to fine-tune one; int8 and pruning for a vision model). ResNet's bf16 training is left out: CPUs have no native
 # half-precision convolutions, so it takes minutes there. `--accuracy` measures any stack.
 DEFAULT_STACKS = {
     "resnet50": ("baseline", "ptq-int8", "qat-int8", "structured-pruning"),
-    "gpt": ("baseline", "amp-bf16", "ptq-int8", "group-quant-int4", "kv-int8", "structured-pruning"),
+    "gpt": ("baseline", "amp-bf16", "ptq-int8", "group-quant-int4", "kv-int8", "structured-pruning", "lora"),
     "bert": ("baseline", "param-sharing", "ptq-int8", "qat-int8"),
 }
 
@@ -151,6 +151,15 @@ def _workload(task: Task, stacks: list[Stack], book: AccuracyBook, profile, devi
                                                     task, budget))
         return baselines[seed]
 
+    full_fine_tunes: dict[int, Scored] = {}
+
+    def full_fine_tune(seed: int) -> Scored:
+        """The seed's trained baseline fine-tuned whole for the fine-tuning budget: what adapters compare with."""
+        if seed not in full_fine_tunes:
+            full_fine_tunes[seed] = scoring.score(
+                trainer.deployed(baseline(seed)[0], training.Roles((), (), ()), seed, in_full=True), task, budget)
+        return full_fine_tunes[seed]
+
     for stack in stacks:  # the baseline first: every other stack compares with it
         if stack not in pending and stack.name != BASELINE:
             continue
@@ -160,7 +169,7 @@ def _workload(task: Task, stacks: list[Stack], book: AccuracyBook, profile, devi
             row = AccuracyRow(technique=stack.name, status="unsupported", reason=reason, data=data, **base)
         else:
             try:
-                row = _measure(task, stack, trainer, baseline, seeds, data, base, progress)
+                row = _measure(task, stack, trainer, baseline, full_fine_tune, seeds, data, base, progress)
             except Unsupported as exc:  # found while applying (a parallel stack outside torchrun)
                 row = AccuracyRow(technique=stack.name, status="unsupported", reason=str(exc), data=data, **base)
             except Exception as exc:  # one stack failing must not lose the others' rows
@@ -174,12 +183,14 @@ def _workload(task: Task, stacks: list[Stack], book: AccuracyBook, profile, devi
                 f"({row.wall_s:.0f} s)" if row.status == "ok" else f"{row.status} ({row.reason})"))
 
 
-def _measure(task: Task, stack: Stack, trainer: training.Trainer, baseline, seeds: int, data: str, base: dict,
-             progress: Progress) -> AccuracyRow:
+def _measure(task: Task, stack: Stack, trainer: training.Trainer, baseline, full_fine_tune, seeds: int, data: str,
+             base: dict, progress: Progress) -> AccuracyRow:
     parts = training.roles(stack)
     values, reference, fidelities = [], [], []
     for seed in range(seeds):
         base_model, base_scored = baseline(seed)
+        if training.adapts(parts):  # adapters answer "instead of fine-tuning every weight": compare with that
+            base_scored = full_fine_tune(seed)
         if stack.name == BASELINE:
             scored = base_scored
         else:
@@ -191,6 +202,8 @@ def _measure(task: Task, stack: Stack, trainer: training.Trainer, baseline, seed
         progress(f"accuracy {task.workload} {stack.name} seed {seed}: {task.metric} {values[-1]:.4f}")
     comparison = (stats.Comparison(0.0, 0.0, "reference") if stack.name == BASELINE
                   else stats.compare(values, reference, task.higher_is_better, _unit(task)))
+    if training.adapts(parts):
+        comparison = dataclasses.replace(comparison, verdict=f"{comparison.verdict} vs full fine-tuning")
     return AccuracyRow(
         technique=stack.name, status="ok", values=";".join(f"{v:.6g}" for v in values),
         accuracy=statistics.fmean(values), accuracy_std=stats.spread(values), baseline=statistics.fmean(reference),
@@ -203,7 +216,12 @@ def _measure(task: Task, stack: Stack, trainer: training.Trainer, baseline, seed
 def _notes(parts: training.Roles, budget) -> str:
     """How the stack's model was made, where it is not simply trained like the baseline."""
     notes = []
-    if parts.fine_tuned:
+    if training.adapts(parts):
+        notes.append(f"{', '.join(t.id for t in parts.fine_tuned)} fine-tuned the trained baseline "
+                     f"{budget.fine_tune_steps} steps at {training.ADAPTER_LR_SCALE:g}x the learning rate; compared "
+                     f"(baseline column, delta, fidelity) with full fine-tuning of the same model on the same data "
+                     f"and steps at {training.FINE_TUNE_LR_SCALE:g}x")
+    elif parts.fine_tuned:
         notes.append(f"{', '.join(t.id for t in parts.fine_tuned)} applied to the trained baseline, then fine-tuned "
                      f"{budget.fine_tune_steps} steps at {training.FINE_TUNE_LR_SCALE:g}x the learning rate (the "
                      f"baseline gets no such steps: part of the delta is that extra training)")

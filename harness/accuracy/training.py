@@ -23,8 +23,6 @@ from suites.techniques.base import Phase, Run, Technique
 from suites.workloads.base import Workload
 
 FINE_TUNE_LR_SCALE = 0.1  # fine-tuning a trained model takes a smaller step than training it
-
-
 @dataclass(frozen=True)
 class Roles:
     train: tuple[Technique, ...]
@@ -43,6 +41,20 @@ def roles(stack: Stack) -> Roles:
     return Roles(train=tuple(t for t in techniques if not t.post_training),
                  fine_tuned=tuple(t for t in techniques if t.fine_tune),
                  post=tuple(t for t in techniques if t.post_training and not t.fine_tune))
+
+
+# Adapters train from B = 0 with few parameters and take a learning rate about ten times full fine-tuning's
+# (QLoRA's recipes: 2e-4 for 7-13B models where full fine-tuning of LLaMA/Alpaca used 2e-5).
+ADAPTER_LR_SCALE = 1.0
+
+
+def adapts(parts: Roles) -> bool:
+    """Whether the stack fine-tunes through adapters (LoRA, QLoRA): its reference is then a full fine-tune."""
+    return any(t.exclusive == "adapters" for t in parts.fine_tuned)
+
+
+def fine_tune_lr_scale(parts: Roles) -> float:
+    return ADAPTER_LR_SCALE if adapts(parts) else FINE_TUNE_LR_SCALE
 
 
 def in_phase_order(techniques) -> Stack:
@@ -77,7 +89,10 @@ def train(run: Run, device: torch.device, steps: int, lr: float, batch_size: int
     """Train `run.model` for `steps` optimizer steps as the stack's Step runs them; the last loss."""
     step = Step(run, device)
     for group in step.optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):  # torchao's low-bit optimizers keep it as a tensor
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
     warmup = max(1, steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda i: _schedule(i, warmup, steps))
     generator = torch.Generator().manual_seed(seed)
@@ -116,14 +131,15 @@ class Trainer:
         train(run, self.device, self.budget.steps, self.budget.lr, self.budget.batch_size, seed)
         return run.model
 
-    def deployed(self, trained: torch.nn.Module, parts: Roles, seed: int) -> Step:
-        """The inference step of the model the stack deploys, made from a copy of `trained`."""
+    def deployed(self, trained: torch.nn.Module, parts: Roles, seed: int, in_full: bool = False) -> Step:
+        """The inference step of the model the stack deploys, made from a copy of `trained`; `in_full`: the
+        copy is fine-tuned whole, as the stack's fine-tuning would be (the reference adapters compare with)."""
         model = copy.deepcopy(trained)
-        if parts.fine_tuned:
+        if parts.fine_tuned or in_full:
             run = self._run(model, "train")
             in_phase_order((*parts.step_settings, *parts.fine_tuned)).apply(run)
             run.model.to(self.device)
-            train(run, self.device, self.budget.fine_tune_steps, self.budget.lr * FINE_TUNE_LR_SCALE,
+            train(run, self.device, self.budget.fine_tune_steps, self.budget.lr * fine_tune_lr_scale(parts),
                   self.budget.batch_size, seed + 10_000)
             model = run.model
         run = self._run(model, "infer")

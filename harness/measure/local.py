@@ -95,6 +95,7 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         # Every rank draws the same global batch and keeps its slice (data-parallel and sharded stacks).
         global_batch = workload.batch(spec, cell.batch_size, generator)
         batch = {k: v.to(device) for k, v in rank_slice(global_batch, run.data_parallel).items()}
+        warm_up_started = time.perf_counter()
         for _ in range(settings.warmup):
             step(batch)
         # fp16 loss scaling starts at 2**16 and skips the optimizer step while gradients overflow; warm
@@ -103,6 +104,9 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
             if step.optimizer is None or step.optimizer.state:
                 break
             step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the warm-up's kernels are done before its time is read
+        warmup_s = time.perf_counter() - warm_up_started
         probe.begin_measured_step()
         loss = step(batch, mark=probe.mark)
         probe.end_measured_step()
@@ -132,7 +136,8 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
     speed = SpeedFigures(
         step_time_ms_p50=timing.percentile_ms(0.5), step_time_ms_p90=timing.percentile_ms(0.9),
         step_time_ms_mean=timing.mean_ms, throughput_samples_s=timing.throughput(cell.batch_size),
-        step_time_cv=timing.cv, noisy=timing.noisy(settings.noise_threshold), timed_steps=len(timing.step_s))
+        step_time_cv=timing.cv, noisy=timing.noisy(settings.noise_threshold), timed_steps=len(timing.step_s),
+        warmup_s=warmup_s)
     notes = list(run.notes) + _artifacts(cell, lambda: step(batch), device, settings, timing, memory)
     return Outcome(
         status="ok", precision=run.precision, memory=memory, speed=speed, device_name=_device_name(device),

@@ -77,7 +77,8 @@ class OpArrays:
     # Matmuls and attention of a served decoder's prefill and decode: they stream weights and the KV
     # cache in long sequential reads, which reach more of the bandwidth than a training step's mix.
     streaming: np.ndarray | None = None
-    compiled: bool = False  # torch.compile'd and replayed as CUDA graphs (the `compile` technique)
+    compiled: bool = False  # torch.compile'd (the `compile` technique)
+    cuda_graphs: bool = False  # ... and replayed as CUDA graphs (served: mode reduce-overhead)
     notes: list[str] = field(default_factory=list)
 
 
@@ -115,7 +116,8 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
         host_is_device=profile.vendor == "cpu",
         streaming=column([s.phase in GENERATION_PHASES and s.op_class in ("matmul", "attention")
                           for s, _ in rows], bool),
-        compiled=trace.compiled, notes=notes)
+        compiled=trace.compiled, cuda_graphs=trace.compiled and not any(s.phase == "backward" for s, _ in rows),
+        notes=notes)
 
 
 def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
@@ -150,9 +152,15 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
                     + np.where(ops.op_class == _CLASS_INDEX["conv"], host.issue_conv_s, 0.0)) * ops.count
     if ops.compiled:
         # torch.compile fuses elementwise ops into their neighbours' kernels (their bytes still move, in
-        # the fused kernel) and CUDA graphs replay the whole step with one launch: no per-op host cost.
-        launch = np.where(ops.op_class == _CLASS_INDEX["memory"], 0.0, launch)
-        issue_per_op = np.zeros_like(issue_per_op)
+        # the fused kernel). Served, CUDA graphs replay the whole step with one launch: no per-op host cost.
+        # Trained, the compiled forward and backward launch their remaining kernels from Inductor's wrapper
+        # without autograd's per-op recording (costed as the engine's C++ dispatch), and the optimizer step
+        # stays eager.
+        graph = ops.phase != PHASES.index("optimizer")
+        fused = graph & (ops.op_class == _CLASS_INDEX["memory"])
+        launch = np.where(fused, 0.0, launch)
+        wrapper = 0.0 if ops.cuda_graphs else constants.issue_s["engine"]
+        issue_per_op = np.where(fused, 0.0, np.where(graph, wrapper * ops.count, issue_per_op))
     kernel = (np.maximum(compute, memory) + launch) * ops.count
     p = 1.0 if ops.host_is_device else host.overlap
     step = 0.0

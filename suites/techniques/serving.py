@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from suites.techniques.base import Phase, Run, Technique
+from suites.techniques.base import Phase, Run, Technique, always
 from suites.techniques.precision import _check_bf16, _check_fp16
 
 
@@ -84,18 +84,15 @@ FP16_WEIGHTS = Technique(
     check=_check_weights("fp16-weights", _check_fp16), apply=_weights_in(torch.float16, "fp16"),
     exclusive="precision", post_training=True)
 
-def _check_compile(profile, workload, mode):
-    if mode != "infer":
-        return ("compile is modelled for inference so far (a compiled forward replayed as CUDA graphs); a compiled "
-                "training step needs its own fusion and launch model")
-    return None
-
-
 def _apply_compile(run: Run) -> None:
     run.compiled = True  # suites/step.py compiles the model it runs (never a traced, fake-tensor one)
-    run.notes.append("torch.compile (dynamic shapes; on CUDA mode=reduce-overhead: CUDA graphs, one recorded per "
-                     "sequence length, replayed from the second generation on); compile time is in the warm-up, "
-                     "not in the timed steps")
+    if run.mode == "train":
+        run.notes.append("torch.compile of the model (forward and backward through AOTAutograd, default mode: no "
+                         "CUDA graphs; the optimizer step stays eager); compile time is the row's warmup_s")
+    else:
+        run.notes.append("torch.compile (dynamic shapes; on CUDA mode=reduce-overhead: CUDA graphs, one recorded per "
+                         "sequence length, replayed from the second generation on); compile time is the row's "
+                         "warmup_s, not in the timed steps")
 
 
 KV_INT8 = Technique(
@@ -106,7 +103,7 @@ KV_INT8 = Technique(
 # Inductor's fused kernels may reorder reductions: the same math, not the same bits.
 COMPILE = Technique(
     id="compile", phase=Phase.COMPILE, changes_numerics=True,
-    summary="torch.compile the model for inference (CUDA graphs on GPUs), as gpt-fast-style decoders run",
-    check=_check_compile, apply=_apply_compile, post_training=True)
+    summary="torch.compile the model: fused training steps, or served with CUDA graphs as gpt-fast-style decoders run",
+    check=always, apply=_apply_compile, post_training=True)
 
 TECHNIQUES = (BF16_WEIGHTS, FP16_WEIGHTS, KV_INT8, COMPILE)

@@ -1,0 +1,55 @@
+"""`compile` in training (suites/techniques/serving.py, suites/step.py): a compiled step learns as the eager
+one does, its compile time is recorded apart from its step times, and its projection fuses elementwise ops
+while the optimizer step stays eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.cell import Cell
+from harness.measure.local import MeasureSettings, measure
+from harness.outcome import to_record
+from harness.profiles import load_profiles
+from harness.project import project
+from harness.project.roofline import PHASES, estimate
+from suites.step import Step
+from suites.techniques import Run, parse_stack
+from suites.workloads.gpt import WORKLOAD
+
+PROFILES = load_profiles()
+
+
+def test_a_compiled_training_step_matches_the_eager_one_and_its_compile_time_is_kept_apart():
+    spec = WORKLOAD.size("smoke")
+    losses = {}
+    for stack in ("baseline", "compile"):
+        torch.manual_seed(0)
+        run = Run(workload=WORKLOAD, size=spec, mode="train", profile=PROFILES["cpu"], model=WORKLOAD.build(spec),
+                  batch_size=2)
+        parse_stack(stack).apply(run)
+        step = Step(run, torch.device("cpu"))
+        assert (type(step.model).__name__ == "OptimizedModule") == (stack == "compile")
+        batch = WORKLOAD.batch(spec, 2, torch.Generator().manual_seed(0))
+        losses[stack] = [float(step(batch)) for _ in range(3)]
+    # Inductor reorders reductions: the same training, not the same bits.
+    torch.testing.assert_close(losses["compile"], losses["baseline"], rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()  # forget the graphs compiled above, or the cell reuses them and compiles nothing
+    cell = Cell("gpt", "smoke", "train", "compile", "cpu", 2).resolve(PROFILES)
+    row = to_record(cell, measure(cell, MeasureSettings(warmup=1, steps=10, repeats=1)), "t")
+    assert row.status == "ok" and "warmup_s" in row.notes
+    assert row.warmup_s > 20 * row.step_time_ms_p50 / 1e3  # compiling takes far longer than a step
+
+
+def test_a_compiled_training_step_projects_fused_elementwise_ops_and_an_eager_optimizer():
+    def projected(stack):
+        return project(Cell("gpt", "gpt2-124m", "train", stack, "h100-sxm", 8, source="projected").resolve(PROFILES))
+
+    eager, compiled = projected("amp-bf16"), projected("amp-bf16+compile")
+    assert compiled.trace.compiled and not eager.trace.compiled
+    profile = PROFILES["h100-sxm"]
+    optimizer = [estimate(p.trace, profile, phases=("optimizer",)).step_s for p in (eager, compiled)]
+    assert optimizer[0] == pytest.approx(optimizer[1])  # torch.compile of the model leaves the step eager
+    model = [estimate(p.trace, profile, phases=PHASES[:2]) for p in (eager, compiled)]
+    assert model[1].launch_s < model[0].launch_s / 2 and model[1].issue_s < model[0].issue_s / 2
+    assert model[1].step_s < model[0].step_s
