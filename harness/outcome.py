@@ -164,7 +164,8 @@ def _memory_columns(memory: MemoryFigures) -> dict:
     return dict(
         peak_allocated_bytes=memory.peak_allocated, peak_reserved_bytes=memory.peak_reserved,
         peak_reserved_expandable_bytes=memory.reserved_expandable, peak_reserved_async_bytes=memory.reserved_async,
-        host_bytes=memory.host, device_overhead_bytes=memory.device_overhead, library_workspace_bytes=memory.library_workspaces,
+        host_bytes=memory.host, device_overhead_bytes=memory.device_overhead,
+        library_workspace_bytes=memory.library_workspaces,
         params_bytes=memory.params, grads_bytes=memory.grads, optimizer_bytes=memory.optimizer,
         activations_bytes=memory.activations, temporaries_bytes=memory.temporaries, param_count=memory.param_count,
         process_peak_rss_bytes=memory.process_peak_rss, alloc_retries=memory.alloc_retries,

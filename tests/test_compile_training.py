@@ -13,25 +13,16 @@ from harness.outcome import to_record
 from harness.profiles import load_profiles
 from harness.project import project
 from harness.project.roofline import PHASES, estimate
-from suites.step import Step
-from suites.techniques import Run, parse_stack
-from suites.workloads.gpt import WORKLOAD
+from tests.smoke_steps import smoke_losses
 
 PROFILES = load_profiles()
 
 
 def test_a_compiled_training_step_matches_the_eager_one_and_its_compile_time_is_kept_apart():
-    spec = WORKLOAD.size("smoke")
     losses = {}
     for stack in ("baseline", "compile"):
-        torch.manual_seed(0)
-        run = Run(workload=WORKLOAD, size=spec, mode="train", profile=PROFILES["cpu"], model=WORKLOAD.build(spec),
-                  batch_size=2)
-        parse_stack(stack).apply(run)
-        step = Step(run, torch.device("cpu"))
+        losses[stack], step = smoke_losses(stack)
         assert (type(step.model).__name__ == "OptimizedModule") == (stack == "compile")
-        batch = WORKLOAD.batch(spec, 2, torch.Generator().manual_seed(0))
-        losses[stack] = [float(step(batch)) for _ in range(3)]
     # Inductor reorders reductions: the same training, not the same bits.
     torch.testing.assert_close(losses["compile"], losses["baseline"], rtol=1e-4, atol=1e-4)
     torch._dynamo.reset()  # forget the graphs compiled above, or the cell reuses them and compiles nothing

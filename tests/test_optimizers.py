@@ -12,9 +12,7 @@ from harness.measure.tensors import optimizer_state_bytes
 from harness.outcome import to_record
 from harness.profiles import load_profiles
 from harness.project import project
-from suites.step import Step
-from suites.techniques import Run, parse_stack
-from suites.workloads.gpt import WORKLOAD
+from tests.smoke_steps import smoke_losses
 
 PROFILES = load_profiles()
 
@@ -37,16 +35,9 @@ def test_fused_adamw_drops_the_foreach_steps_parameter_sized_temporary():
 
 
 def test_a_fused_step_is_measured_and_learns_as_the_foreach_one_does():
-    spec = WORKLOAD.size("smoke")
     losses = {}
     for technique in ("baseline", "optim-fused"):
-        torch.manual_seed(0)
-        run = Run(workload=WORKLOAD, size=spec, mode="train", profile=PROFILES["cpu"], model=WORKLOAD.build(spec),
-                  batch_size=2)
-        parse_stack(technique).apply(run)
-        step = Step(run, torch.device("cpu"))
-        batch = WORKLOAD.batch(spec, 2, torch.Generator().manual_seed(0))
-        losses[technique] = [float(step(batch)) for _ in range(3)]
+        losses[technique], step = smoke_losses(technique)
         assert bool(step.optimizer.defaults["fused"]) == (technique == "optim-fused")
     torch.testing.assert_close(losses["optim-fused"], losses["baseline"], rtol=1e-4, atol=1e-4)
     cell = Cell("gpt", "smoke", "train", "optim-fused", "cpu", 2).resolve(PROFILES)

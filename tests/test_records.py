@@ -251,8 +251,13 @@ def test_schema_7_rows_gain_empty_generation_nvml_and_accuracy_columns(tmp_path)
     # Before schema 8 a decoder's inference was one forward: its rows have no generation figures; before 9
     # nothing sampled NVML; before 10 no accuracy was measured; before 11 nothing recorded offloaded bytes or
     # the warm-up's time. All are unknown, not zero.
-    from harness.migrations import (ACCURACY_COLUMNS, DISTRIBUTED_COLUMNS, NVML_COLUMNS, OFFLOAD_AND_WARMUP_COLUMNS,
-                                    SERVING_COLUMNS)
+    from harness.migrations import (
+        ACCURACY_COLUMNS,
+        DISTRIBUTED_COLUMNS,
+        NVML_COLUMNS,
+        OFFLOAD_AND_WARMUP_COLUMNS,
+        SERVING_COLUMNS,
+    )
     from harness.records import SCHEMA_VERSION
 
     added = [*SERVING_COLUMNS, *NVML_COLUMNS, *ACCURACY_COLUMNS, *DISTRIBUTED_COLUMNS, *OFFLOAD_AND_WARMUP_COLUMNS]

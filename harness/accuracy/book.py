@@ -29,8 +29,9 @@ DEFAULT_SEEDS = 3
 # The default run's accuracy budget, per workload, sized so `nox -s bench` stays under 15 minutes on 2 CPU
 # cores: the techniques the guide makes accuracy claims about (C6 sharing and C9 int8, both on BERT) and
 # those a buyer of a smaller GPU reaches for (bf16 training, int4 weights and an int8 KV cache to serve a
-# decoder, LoRA to fine-tune one; int8 and pruning for a vision model). ResNet's bf16 training is left out: CPUs have no native
-# half-precision convolutions, so it takes minutes there. `--accuracy` measures any stack.
+# decoder, LoRA to fine-tune one; int8 and pruning for a vision model). ResNet's bf16 training is left
+# out: CPUs have no native half-precision convolutions, so it takes minutes there. `--accuracy` measures
+# any stack.
 DEFAULT_STACKS = {
     "resnet50": ("baseline", "ptq-int8", "qat-int8", "structured-pruning"),
     "gpt": ("baseline", "amp-bf16", "ptq-int8", "group-quant-int4", "kv-int8", "structured-pruning", "lora"),
