@@ -28,6 +28,7 @@ from harness.provenance import nvml_info
 from harness.records import DEFAULT_NOISE_THRESHOLD
 from suites.step import Step
 from suites.techniques import Run, Unsupported
+from suites.techniques.offload import host_state_bytes
 from suites.workloads.base import count_parameters
 
 # Extra warm-up steps allowed for fp16 loss scaling to settle (each overflow halves the scale).
@@ -101,7 +102,7 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         # fp16 loss scaling starts at 2**16 and skips the optimizer step while gradients overflow; warm
         # up until a step was really taken, or the optimizer state (and its memory) would be missing.
         for _ in range(MAX_SCALER_WARMUP):
-            if step.optimizer is None or step.optimizer.state:
+            if step.optimizer is None or getattr(step.optimizer, "state", True):  # torchao's offload has none
                 break
             step(batch)
         if device.type == "cuda":
@@ -130,7 +131,8 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
     memory = MemoryFigures(
         peak_allocated=reading.peak_allocated, peak_reserved=reading.peak_reserved, process_peak_rss=rss,
         params=parameter_bytes(run.model), grads=gradient_bytes(run.model) if cell.mode == "train" else None,
-        optimizer=optimizer_state_bytes(step.optimizer), activations=_activations(reading, cell.mode),
+        optimizer=optimizer_state_bytes(step.optimizer), host=host_state_bytes(step.optimizer),
+        activations=_activations(reading, cell.mode),
         param_count=count_parameters(run.model), alloc_retries=reading.alloc_retries, allocator=reading.allocator,
         kv_cache=step.cache_bytes(cell.batch_size) if step.generates else None)
     speed = SpeedFigures(

@@ -72,5 +72,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int | None
     inner = getattr(optimizer, "optim", None)
     if isinstance(inner, torch.optim.Optimizer):
         optimizer = inner
+    if hasattr(optimizer, "param_d2h_map"):  # torchao's CPU offload: only its small parameters' state is here
+        optimizer = optimizer.d_opt
+        if optimizer is None:
+            return 0
     return storage_bytes(value for state in optimizer.state.values() for value in state.values()
                          if isinstance(value, torch.Tensor))

@@ -119,7 +119,8 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         peak_reserved_low=round(reserved_bar.low) if reserved_bar else None,
         peak_reserved_high=round(reserved_bar.high) if reserved_bar else None,
         peak_reserved_cells=reserved_bar.cells if reserved_bar else None,
-        kv_cache=projection.trace.kv_cache_bytes if projection.trace.gen_len else None)
+        kv_cache=projection.trace.kv_cache_bytes if projection.trace.gen_len else None,
+        host=projection.trace.host.host_bytes if projection.trace.host else None)
     return Outcome(status=status, reason=reason, precision=projection.trace.precision, memory=figures, speed=speed,
                    fits=memory.fits, device_name=cell.profile.name, wall_time_s=time.perf_counter() - started,
                    notes=memory.notes, interval_basis="; ".join(basis) or None,

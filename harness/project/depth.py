@@ -5,8 +5,11 @@ projects in about a second. The workload names its depth key (Traits.depth_key).
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 from harness.cell import ResolvedCell
 from harness.project.trace import OpShape, StepTrace, traced
+from suites.techniques.offload import HostTraffic
 
 # Models deeper than this are traced at TRACE_DEPTHS layers and extrapolated.
 EXTRAPOLATE_ABOVE = 4
@@ -55,7 +58,9 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         param_count=round(lin(a.param_count, b.param_count)), gen_len=b.gen_len,
         kv_cache_bytes=round(lin(a.kv_cache_bytes, b.kv_cache_bytes)),
         gathered_bytes=round(lin(a.gathered_bytes, b.gathered_bytes)),
-        phase_peaks={p: round(v) for p, v in peaks.items() if p})
+        phase_peaks={p: round(v) for p, v in peaks.items() if p},
+        host=HostTraffic(*(round(lin(x, y)) for x, y in zip(astuple(a.host), astuple(b.host), strict=True)))
+        if a.host and b.host else None)
 
 
 def _extrapolated_ops(a: dict[OpShape, int], b: dict[OpShape, int], lin) -> dict[OpShape, int]:

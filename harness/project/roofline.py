@@ -27,6 +27,7 @@ import numpy as np
 from harness.metrics import peak_name
 from harness.project.speed_constants import SpeedConstants, constants_for
 from harness.project.trace import StepTrace
+from suites.techniques.offload import HostTraffic
 
 # A training step's phases, then a served decoder's (generation_trace.py): the prompt's prefill and the
 # first and last decode steps, between which a decode step's time grows with the cache it reads.
@@ -79,6 +80,8 @@ class OpArrays:
     streaming: np.ndarray | None = None
     compiled: bool = False  # torch.compile'd (the `compile` technique)
     cuda_graphs: bool = False  # ... and replayed as CUDA graphs (served: mode reduce-overhead)
+    host: HostTraffic | None = None  # an offloaded optimizer's transfers and host step
+    host_link_bytes_s: float | None = None  # one direction of the host link
     notes: list[str] = field(default_factory=list)
 
 
@@ -117,6 +120,7 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
         streaming=column([s.phase in GENERATION_PHASES and s.op_class in ("matmul", "attention")
                           for s, _ in rows], bool),
         compiled=trace.compiled, cuda_graphs=trace.compiled and not any(s.phase == "backward" for s, _ in rows),
+        host=trace.host if "optimizer" in phases else None, host_link_bytes_s=host_link_bytes_s(profile),
         notes=notes)
 
 
@@ -164,11 +168,17 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     kernel = (np.maximum(compute, memory) + launch) * ops.count
     p = 1.0 if ops.host_is_device else host.overlap
     step = 0.0
+    phase_s = {}
     for index in range(len(PHASES)):
         in_phase = ops.phase == index
         k, i = kernel[in_phase].sum(), issue_per_op[in_phase].sum()
         if k or i:
-            step += (k**p + i**p) ** (1 / p)
+            phase_s[PHASES[index]] = (k**p + i**p) ** (1 / p)
+            step += phase_s[PHASES[index]]
+    if ops.host is not None:
+        if not ops.host_link_bytes_s:
+            return None
+        step += offload_s(ops.host, ops.host_link_bytes_s, phase_s.get("backward", 0.0), notes)
     compute_bound = compute >= memory
     if not gpu.fitted:
         notes.append(f"speed constants for {constants.key} not fitted on any measurement (priors)")
@@ -176,6 +186,34 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
         step_s=float(step), compute_s=float((compute * ops.count)[compute_bound].sum()),
         memory_s=float((memory * ops.count)[~compute_bound].sum()), launch_s=float((launch * ops.count).sum()),
         issue_s=float(issue_per_op.sum()), notes=tuple(notes), fitted=gpu.fitted)
+
+
+# The host link's datasheet figure is both directions together; one direction carries half, and pinned
+# copies reach about 80% of that (CUDA samples' bandwidthTest: about 26 of PCIe Gen4 x16's 32 GB/s).
+HOST_LINK_EFFICIENCY = 0.8
+# An assumption, not a measurement: the host's fused AdamW streams 7 tensors' bytes per parameter; we take
+# 84 GB/s of host memory traffic (3 billion fp32 parameters a second), within what a two-socket server's
+# DDR4/DDR5 channels carry. Every row that uses it says so.
+HOST_ADAMW_BYTES_S = 84e9
+
+
+def host_link_bytes_s(profile) -> float | None:
+    """One direction of the profile's host link, as pinned copies reach it; None where unknown."""
+    both = (profile.interconnect or {}).get("host_link_gb_s")
+    return both * 1e9 / 2 * HOST_LINK_EFFICIENCY if both else None
+
+
+def offload_s(host: HostTraffic, link_bytes_s: float, backward_s: float, notes: list[str]) -> float:
+    """Seconds an offloaded optimizer adds to a step: gradients leave during the backward (only what does
+    not fit under it shows), then the host's AdamW and the parameters' return run as a per-parameter
+    pipeline, the slower of the two setting the pace."""
+    to_host = host.to_host / link_bytes_s
+    host_step = host.host_step / HOST_ADAMW_BYTES_S
+    to_device = host.to_device / link_bytes_s
+    notes.append(f"optimizer offload: gradients to the host {to_host * 1e3:.1f} ms (under a {backward_s * 1e3:.1f} "
+                 f"ms backward), host AdamW {host_step * 1e3:.1f} ms at an assumed {HOST_ADAMW_BYTES_S / 1e9:.0f} GB/s "
+                 f"(not measured), parameters back {to_device * 1e3:.1f} ms over the host link")
+    return max(0.0, to_host - backward_s) + max(host_step, to_device)
 
 
 def estimate(trace: StepTrace, profile, constants: SpeedConstants | None = None, tf32_matmul: bool = False,

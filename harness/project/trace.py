@@ -30,6 +30,7 @@ from harness.project.autocast_policy import cuda_autocast_policy
 from harness.project.lean_import import import_mem_tracker
 from suites.step import Step
 from suites.techniques import Run, Stack
+from suites.techniques.offload import HostTraffic
 from suites.workloads.base import count_parameters
 
 _mem_tracker = import_mem_tracker()
@@ -112,6 +113,7 @@ class StepTrace:
     gen_len: int | None = None
     kv_cache_bytes: int = 0
     gathered_bytes: int = 0
+    host: HostTraffic | None = None  # an offloaded optimizer's host side (suites/techniques/offload.py)
 
     @property
     def costs(self) -> dict[tuple[str, str, str], OpCost]:
@@ -474,7 +476,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         notes=notes + run.notes,
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
         first_matmul_at=tuple(first_matmuls.at.values()), measured_from=measured_from,
-        param_count=count_parameters(run.model),
+        param_count=count_parameters(run.model), host=getattr(step.optimizer, "traffic", None),
         untraced=tuple(sorted({m.untraced_compute for m in run.model.modules() if hasattr(m, "untraced_compute")})))
 
 

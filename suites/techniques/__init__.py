@@ -18,6 +18,7 @@ from suites.techniques import (
     dynamic_sparsity,  # T12
     groupquant,  # T9
     lowrank,  # T3
+    offload,  # optimizer state in host memory
     optimizers,  # optimizer implementations
     parallel,  # T13, T16: data parallelism and sharding
     precision,  # T1
@@ -44,6 +45,7 @@ FAMILIES = [
     serving,
     allocator,
     optimizers,
+    offload,
     adapters,
     parallel,
 ]
