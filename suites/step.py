@@ -48,8 +48,8 @@ def tf32_matmuls(enabled: bool):
 
 
 def _compiled(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`model` through torch.compile, on CUDA with mode reduce-overhead (each shape's kernels recorded once
-    as a CUDA graph and replayed). Shapes are left to PyTorch's automatic dynamism: the cache length a
+    """`model` through torch.compile; served on CUDA with mode reduce-overhead (each shape's kernels recorded
+    once as a CUDA graph and replayed). Shapes are left to PyTorch's automatic dynamism: the cache length a
     decode step reads becomes dynamic at its first recompilation, while the prefill and the one-token
     decode keep static lengths, so `is_causal` stays a plain bool (`dynamic=True` would make it symbolic,
     which SDPA refuses: a graph break). A projection's fake-tensor model is left as it is: the trace costs

@@ -3,6 +3,8 @@ adapters learn, their options, and their projection to a 7B model."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ from harness.outcome import to_record
 from harness.profiles import load_profiles
 from harness.project import project_outcome
 from suites.step import Step
-from suites.techniques import Run, parse_stack
+from suites.techniques import Run, Unsupported, parse_stack
 from suites.techniques.adapters import NF4Linear, store_frozen_in
 from suites.workloads import get_workload
 
@@ -91,8 +93,10 @@ def test_frozen_layers_stored_in_autocasts_dtype_compute_the_same():
 
 
 def test_options_are_checked_with_a_one_line_reason():
-    assert parse_stack("lora:targets=qkv/proj:r=4+amp-bf16").name == "lora:r=4:targets=qkv/proj+amp-bf16"
-    for text, message in [("amp-bf16:r=4", "takes no options"), ("lora:r", "key=value"),
+    assert parse_stack("lora:targets=qkv/proj:r=4+amp-bf16").name == "lora:r=4:targets=proj/qkv+amp-bf16"
+    assert parse_stack("lora:r=08:alpha=16").name == "lora"  # one spelling per configuration
+    for text, message in [("lora:", "key=value"), ("lora:r=4:r=8", "given twice"), ("lora:alpha=nan", "positive"),
+                          ("amp-bf16:r=4", "takes no options"), ("lora:r", "key=value"),
                           ("lora:rank=4", "takes options r, alpha and targets"), ("lora:r=x", "whole number"),
                           ("lora:r=0", "at least 1"), ("lora+qlora", "both adapters techniques")]:
         with pytest.raises(ValueError, match=message):
@@ -129,3 +133,32 @@ def test_a_7b_fine_tune_fits_a_24gb_gpu_with_qlora_and_not_in_full():
     assert full.memory.params + full.memory.grads + full.memory.optimizer > 7 * lora.memory.params
     assert qlora.memory.params < 0.4 * lora.memory.params
     assert lora.memory.grads < full.memory.grads / 100
+
+
+@pytest.mark.parametrize("stack, message", [("qat-int8+lora", "replaced them with"),
+                                            ("fp8+lora", "replaced them with")])
+def test_adapters_refuse_layers_another_technique_replaced(stack, message):
+    profile = PROFILES["h100-sxm"]
+    workload = get_workload("gpt")
+    spec = workload.size("smoke")
+    run = Run(workload=workload, size=spec, mode="train", profile=profile, model=workload.build(spec), batch_size=2)
+    with pytest.raises(Unsupported, match=message):
+        parse_stack(stack).apply(run)
+
+
+def test_storing_frozen_weights_keeps_tied_and_subclassed_layers_as_they_are():
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False), nn.Linear(8, 8))
+    model[1].weight = model[0].weight  # a head tied to the embedding
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert store_frozen_in(model, torch.bfloat16) == 1  # only the untied Linear
+    assert model[1].weight is model[0].weight and model[1].weight.dtype == torch.float32
+    assert model[2].weight.dtype == torch.bfloat16
+
+
+def test_qlora_runs_under_fp16_autocast():
+    run, step = _run("qlora+amp-fp16")
+    losses = _losses(run, step, steps=2)
+    assert all(math.isfinite(v) for v in losses)
+    bases = [m for m in run.model.modules() if isinstance(m, NF4Linear)]
+    assert bases and all(type(m.weight).__name__ == "NF4Tensor" for m in bases)  # still 4-bit after the step

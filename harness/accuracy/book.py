@@ -152,14 +152,17 @@ def _workload(task: Task, stacks: list[Stack], book: AccuracyBook, profile, devi
                                                     task, budget))
         return baselines[seed]
 
-    full_fine_tunes: dict[int, Scored] = {}
+    full_fine_tunes: dict[tuple, Scored] = {}
 
-    def full_fine_tune(seed: int) -> Scored:
-        """The seed's trained baseline fine-tuned whole for the fine-tuning budget: what adapters compare with."""
-        if seed not in full_fine_tunes:
-            full_fine_tunes[seed] = scoring.score(
-                trainer.deployed(baseline(seed)[0], training.Roles((), (), ()), seed, in_full=True), task, budget)
-        return full_fine_tunes[seed]
+    def full_fine_tune(seed: int, settings: tuple) -> Scored:
+        """The seed's trained baseline fine-tuned whole for the fine-tuning budget, with the stack's step
+        settings (mixed precision, accumulation...): what adapters compare with."""
+        key = (seed, tuple(t.id for t in settings))
+        if key not in full_fine_tunes:
+            full_fine_tunes[key] = scoring.score(
+                trainer.deployed(baseline(seed)[0], training.Roles(settings, (), ()), seed, in_full=True), task,
+                budget)
+        return full_fine_tunes[key]
 
     for stack in stacks:  # the baseline first: every other stack compares with it
         if stack not in pending and stack.name != BASELINE:
@@ -191,7 +194,7 @@ def _measure(task: Task, stack: Stack, trainer: training.Trainer, baseline, full
     for seed in range(seeds):
         base_model, base_scored = baseline(seed)
         if training.adapts(parts):  # adapters answer "instead of fine-tuning every weight": compare with that
-            base_scored = full_fine_tune(seed)
+            base_scored = full_fine_tune(seed, parts.step_settings)
         if stack.name == BASELINE:
             scored = base_scored
         else:
@@ -221,7 +224,7 @@ def _notes(parts: training.Roles, budget) -> str:
         notes.append(f"{', '.join(t.id for t in parts.fine_tuned)} fine-tuned the trained baseline "
                      f"{budget.fine_tune_steps} steps at {training.ADAPTER_LR_SCALE:g}x the learning rate; compared "
                      f"(baseline column, delta, fidelity) with full fine-tuning of the same model on the same data "
-                     f"and steps at {training.FINE_TUNE_LR_SCALE:g}x")
+                     f"and steps at {training.FINE_TUNE_LR_SCALE:g}x, under the stack's step settings")
     elif parts.fine_tuned:
         notes.append(f"{', '.join(t.id for t in parts.fine_tuned)} applied to the trained baseline, then fine-tuned "
                      f"{budget.fine_tune_steps} steps at {training.FINE_TUNE_LR_SCALE:g}x the learning rate (the "

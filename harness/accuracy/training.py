@@ -23,6 +23,8 @@ from suites.techniques.base import Phase, Run, Technique
 from suites.workloads.base import Workload
 
 FINE_TUNE_LR_SCALE = 0.1  # fine-tuning a trained model takes a smaller step than training it
+
+
 @dataclass(frozen=True)
 class Roles:
     train: tuple[Technique, ...]

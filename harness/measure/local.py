@@ -28,6 +28,7 @@ from harness.provenance import nvml_info
 from harness.records import DEFAULT_NOISE_THRESHOLD
 from suites.step import Step
 from suites.techniques import Run, Unsupported
+from suites.techniques.adapters import store_frozen_in
 from suites.techniques.offload import host_state_bytes
 from suites.workloads.base import count_parameters
 
@@ -90,6 +91,9 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         unset = {name: value for name, value in run.env.items() if os.environ.get(name) != value}
         if unset:
             raise RestartWithEnvironment(unset)
+        if cell.mode == "train" and run.autocast_dtype is not None:
+            # Before placement (Step would do it after): frozen weights never reach the device in fp32.
+            store_frozen_in(run.model, run.autocast_dtype)
         if not run.placed:  # parallel stacks put their shards where they belong (host memory for cpu-offload)
             run.model = run.model.to(device)
         step = Step(run, device)

@@ -119,7 +119,7 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
         host_is_device=profile.vendor == "cpu",
         streaming=column([s.phase in GENERATION_PHASES and s.op_class in ("matmul", "attention")
                           for s, _ in rows], bool),
-        compiled=trace.compiled, cuda_graphs=trace.compiled and not any(s.phase == "backward" for s, _ in rows),
+        compiled=trace.compiled, cuda_graphs=trace.compiled and not any(s.phase == "backward" for s in trace.ops),
         host=trace.host if "optimizer" in phases else None, host_link_bytes_s=host_link_bytes_s(profile),
         notes=notes)
 

@@ -119,6 +119,9 @@ def _configured(technique: Technique, text: str) -> Technique:
     pairs = [item.partition("=") for item in text.split(":")]
     if any(not key or not sep or not value for key, sep, value in pairs):
         raise ValueError(f"options of {technique.id} are written key=value:key=value; got {text!r}")
+    keys = [key.strip() for key, _, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"an option of {technique.id} is given twice in {text!r}")
     return technique.configure({key.strip(): value.strip() for key, _, value in pairs})
 
 
@@ -155,14 +158,14 @@ def parse_stack(text: str) -> Stack:
     for part in parts:
         if part == BASELINE:
             raise ValueError(f"'baseline' means no technique and cannot be stacked: {text!r}")
-        part, _, options = part.partition(":")
+        part, configured, options = part.partition(":")
         if part not in TECHNIQUES:
             close = difflib.get_close_matches(part, stack_names(), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ValueError(f"unknown technique {part!r} in stack {text!r}{hint} "
                              f"(valid: {', '.join(stack_names())})")
         technique = TECHNIQUES[part]
-        if options:
+        if configured:
             technique = _configured(technique, options)
         if technique in techniques:
             raise ValueError(f"technique {part!r} appears twice in stack {text!r}")

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 from dataclasses import replace
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from suites.techniques.base import Phase, Run, Technique, Unsupported, train_only
 
@@ -44,8 +46,22 @@ def parse_options(technique: str, options: dict[str, str]) -> dict:
                          f"r={options.get('r')!r} alpha={options.get('alpha')!r}") from None
     if rank < 1:
         raise ValueError(f"{technique}: r must be at least 1, got {rank}")
-    targets = tuple(name for name in options.get("targets", "").split("/") if name)
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"{technique}: alpha must be a positive number, got {options['alpha']!r}")
+    targets = tuple(sorted({name for name in options.get("targets", "").split("/") if name}))
     return {"rank": rank, "alpha": alpha, "targets": targets}
+
+
+def canonical_name(technique: str, settings: dict) -> str:
+    """One spelling per configuration, defaults left out: `lora:r=08` and `lora:r=8:alpha=16` are `lora`."""
+    options = []
+    if settings["rank"] != DEFAULT_RANK:
+        options.append(f"r={settings['rank']}")
+    if settings["alpha"] != 2 * settings["rank"]:
+        options.append(f"alpha={settings['alpha']:g}")
+    if settings["targets"]:
+        options.append(f"targets={'/'.join(settings['targets'])}")
+    return ":".join([technique, *options])
 
 
 def adapted_layers(run: Run, kinds: tuple[type, ...], targets: tuple[str, ...], what: str) -> list[str]:
@@ -56,9 +72,16 @@ def adapted_layers(run: Run, kinds: tuple[type, ...], targets: tuple[str, ...], 
         raise Unsupported(f"workload {run.workload.name!r} exposes no repeated blocks to adapt")
     names = {id(module): name for name, module in run.model.named_modules()}
     prefixes = tuple(f"{names[id(container)]}." for container in containers)
-    found = [name for name, module in run.model.named_modules()
-             if name.startswith(prefixes) and isinstance(module, kinds)
-             and (not targets or name.rsplit(".", 1)[-1] in targets)]
+    wanted = [(name, module) for name, module in run.model.named_modules()
+              if name.startswith(prefixes) and isinstance(module, kinds)
+              and (not targets or name.rsplit(".", 1)[-1] in targets)]
+    # A layer another technique replaced by its own subclass (QAT's fake-quantised Linear, fp8's
+    # Float8Linear) computes in a way PEFT's wrapper would bypass or break.
+    replaced = sorted({type(module).__name__ for _, module in wanted if type(module) not in kinds})
+    if replaced:
+        raise Unsupported(f"adapters wrap plain layers, and another technique of the stack replaced them with "
+                          f"{', '.join(replaced)}")
+    found = [name for name, _ in wanted]
     if not found:
         named = f" named {'/'.join(targets)}" if targets else ""
         raise Unsupported(f"no {what}{named} in {run.workload.name}'s blocks")
@@ -108,13 +131,19 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
     change; a weight that is never updated needs no fp32 master copy (adapter recipes load the base in
     bf16). Layers autocast keeps in fp32 (norms, embeddings) are left alone."""
     stored = 0
+    # A weight shared with another module (a head tied to the embedding) stays as it is: a copy would
+    # untie it and cost more, not less.
+    seen: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        seen[id(parameter)] = seen.get(id(parameter), 0) + 1
     for module in model.modules():
-        if not isinstance(module, nn.Linear | nn.Conv2d):
+        # Exactly these classes: subclasses (torchao's Float8Linear, QAT's, NF4Linear) compute from their
+        # stored weight in their own way, which autocast does not cast.
+        if type(module) not in (nn.Linear, nn.Conv2d):
             continue
         tensors = [t for t in (module.weight, module.bias) if t is not None]
-        if any(t.requires_grad for t in tensors) or any(type(t.data) is not torch.Tensor
-                                                        and not is_fake(t) for t in tensors):
-            continue  # trained, or a quantised subclass (NF4) that keeps its own storage
+        if any(t.requires_grad or seen[id(t)] > 1 or is_traceable_wrapper_subclass(t) for t in tensors):
+            continue
         for name in ("weight", "bias"):
             tensor = getattr(module, name)
             if tensor is not None and tensor.dtype != dtype and tensor.is_floating_point():
@@ -154,7 +183,15 @@ class NF4Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
 
-        out = linear_nf4(x, self.weight)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # Dequantise straight to autocast's dtype with autocast off: under fp16 autocast torchao's
+            # dequantisation (which stacks bf16 tensors) fails autocast's type promotion.
+            dtype = torch.get_autocast_dtype(device)
+            with torch.autocast(device, enabled=False):
+                out = linear_nf4(x.to(dtype), self.weight)
+        else:
+            out = linear_nf4(x, self.weight)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
@@ -211,7 +248,7 @@ def _apply_qlora(run: Run, rank: int, alpha: float, targets: tuple[str, ...]) ->
 def _technique(id_: str, summary: str, check, apply, options: dict | None = None) -> Technique:
     """The technique with these options baked in; `configure` gives a variant for other options."""
     settings = parse_options(id_, options or {})
-    name = id_ if not options else f"{id_}:{':'.join(f'{k}={v}' for k, v in sorted(options.items()))}"
+    name = canonical_name(id_, settings)
     base = Technique(
         id=name, phase=Phase.COMPRESS, changes_numerics=True, summary=summary, check=check,
         apply=lambda run: apply(run, **settings), exclusive="adapters", order=3, guide="",

@@ -2,7 +2,8 @@
 2021, arXiv:2101.06840), through torchao's CPUOffloadOptimizer.
 
 Each parameter of 4,096 values or more gets a pinned host copy, a pinned host gradient and host AdamW
-moments: four times its bytes in host memory, none of it on the device. As soon as a gradient is
+moments: about four times its bytes in host memory (pinned blocks round up to powers of two), none of it
+on the device. As soon as a gradient is
 accumulated it is copied to the host on a side stream (overlapping the rest of the backward); the step
 runs PyTorch's fused CPU AdamW per parameter and copies each updated parameter back. Smaller parameters
 stay with an AdamW on the device. The device keeps parameters and gradients only.
@@ -17,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from suites.techniques.base import Phase, Run, Technique, Unsupported, default_optimizer, train_only
+from suites.techniques.optimizers import fused_adamw
 
 # torchao's CPUOffloadOptimizer default: smaller tensors stay on the device (too many small transfers).
 MINIMAL_SIZE = 4096
@@ -32,10 +34,18 @@ class HostTraffic:
     host_step: int  # the host AdamW's memory traffic (read p, g, m, v; write p, m, v)
 
 
+def pinned_bytes(size: int) -> int:
+    """What PyTorch's pinned host allocator holds for a request: the next power of two (CachingHostAllocator)."""
+    return 1 << max(0, size - 1).bit_length()
+
+
 def host_traffic(offloaded: list[torch.Tensor]) -> HostTraffic:
-    """The host side of offloading these parameters (each's host copies are in its own dtype)."""
-    size = sum(p.numel() * p.element_size() for p in offloaded)
-    return HostTraffic(host_bytes=4 * size, to_host=size, to_device=size, host_step=7 * size)
+    """The host side of offloading these parameters (each's host copies are in its own dtype): a pinned
+    copy and a pinned gradient each (rounded as the pinned allocator rounds), and two moments."""
+    sizes = [p.numel() * p.element_size() for p in offloaded]
+    size = sum(sizes)
+    return HostTraffic(host_bytes=2 * sum(pinned_bytes(s) for s in sizes) + 2 * size, to_host=size, to_device=size,
+                       host_step=7 * size)
 
 
 class HostAdamWModel(torch.optim.Optimizer):
@@ -48,7 +58,7 @@ class HostAdamWModel(torch.optim.Optimizer):
         params = [p for p in params if p.requires_grad]
         small = [p for p in params if p.numel() < MINIMAL_SIZE]
         self.traffic = host_traffic([p for p in params if p.numel() >= MINIMAL_SIZE])
-        self.on_device = default_optimizer(small) if small else None
+        self.on_device = fused_adamw(small) if small else None  # torchao's device optimizer is fused too
         super().__init__(params, default_optimizer([torch.nn.Parameter(torch.zeros(1))]).defaults)
 
     @property
@@ -93,10 +103,10 @@ def host_state_bytes(optimizer) -> int | None:
         return None
     from harness.measure.tensors import storage_bytes
 
-    tensors = [*copies.values(), *(p.grad for p in copies.values())]
-    tensors += [v for inner in optimizer.optim_dict.values() for s in inner.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor)]
-    return storage_bytes(tensors)
+    pinned = sum(pinned_bytes(storage_bytes([t])) for p in copies.values() for t in (p, p.grad))
+    moments = [v for inner in optimizer.optim_dict.values() for s in inner.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor)]
+    return pinned + storage_bytes(moments)
 
 
 def _check(profile, workload, mode: str) -> str | None:
@@ -111,6 +121,15 @@ def _check(profile, workload, mode: str) -> str | None:
 
 
 def _apply(run: Run) -> None:
+    # torchao's offload is single-GPU: its hook copies each gradient to the host as soon as autograd has it,
+    # before DDP averages it (and FSDP2's sharded gradients never pass that hook), so ranks would diverge.
+    if run.data_parallel > 1:
+        raise Unsupported("optim-offload is single-GPU (torchao's CPUOffloadOptimizer copies gradients before "
+                          "data parallelism averages them); for several GPUs use cpu-offload (FSDP2)")
+    if run.loss_scaling:
+        # GradScaler unscales and checks the host copies while they are still being copied from the device.
+        raise Unsupported("optim-offload cannot take fp16 loss scaling: the scaler would read host gradients "
+                          "still in flight; use amp-bf16")
     if run.optimizer_factory is not default_optimizer:
         raise Unsupported("optim-offload replaces the optimizer, which another technique of the stack already wraps")
     run.optimizer_factory = offloaded_adamw

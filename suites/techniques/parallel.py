@@ -86,8 +86,9 @@ def _apply_zero1(run: Run) -> None:
     run.optimizer_factory = lambda params: ZeroRedundancyOptimizer(params, optimizer_class=type(template),
                                                                    **defaults)
     world = distributed().get_world_size()
-    params = sum(p.numel() * p.element_size() for p in run.model.parameters())
-    run.comm_bytes_per_step += int((world - 1) / world * params)  # each rank's updated shard goes to the others
+    # Each rank's updated shard goes to the others: only what the optimizer steps (not frozen weights).
+    params = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
+    run.comm_bytes_per_step += int((world - 1) / world * params)
     run.notes.append("ZeRO-1: each rank keeps and steps 1/N of the optimizer state, then broadcasts its parameters")
 
 
@@ -106,10 +107,12 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool) -> None:
         fully_shard(block, **options)
     fully_shard(run.model, **options)
     run.placed = True
-    params = sum(p.numel() * p.element_size() for p in run.model.parameters())  # the global (unsharded) bytes
+    # Global (unsharded) bytes: every parameter is gathered, only trained ones have gradients to scatter.
+    params = sum(p.numel() * p.element_size() for p in run.model.parameters())
+    trained = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
     world = dist.get_world_size()
     gathers = 1 if not reshard_after_forward else 2  # forward, and again for the backward unless kept
-    run.comm_bytes_per_step = int((world - 1) / world * params * (gathers + 1))  # + the gradients' reduce-scatter
+    run.comm_bytes_per_step = int((world - 1) / world * (params * gathers + trained))
     run.notes.append(f"FSDP2 over {world} ranks, {len(blocks)} blocks sharded one by one"
                      + ("; parameters kept gathered from forward to backward (ZeRO-2)" if not reshard_after_forward
                         else "") + ("; shards and optimizer step in host memory" if offload else "")
@@ -145,12 +148,18 @@ def _apply_tp(run: Run) -> None:
                 raise Unsupported(f"{heads} query and {heads // groups} key/value heads do not split over {ranks} "
                                   "ranks")
             qkv = getattr(module, roles.qkv)
+            if not isinstance(qkv, torch.nn.Linear):  # an adapter's wrapper: ColwiseParallel takes Linear layers
+                raise Unsupported(f"tensor parallelism shards plain Linear layers; {roles.qkv} is a "
+                                  f"{type(qkv).__name__} (another technique of the stack replaced it)")
             with torch.no_grad():
                 qkv.weight.copy_(_head_major(qkv.weight, heads, heads // groups, ranks))
                 if qkv.bias is not None:
                     qkv.bias.copy_(_head_major(qkv.bias, heads, heads // groups, ranks))
             setattr(module, roles.heads, heads // ranks)  # this rank computes its own heads only
             plan = {roles.qkv: ColwiseParallel(), roles.out: RowwiseParallel()}
+        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and hasattr(getattr(module, mlp.up), "base_layer"):
+            raise Unsupported(f"tensor parallelism shards plain Linear layers; {mlp.up} is wrapped by an adapter "
+                              f"({type(getattr(module, mlp.up)).__name__})")
         elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and isinstance(getattr(module, mlp.up),
                                                                                   torch.nn.Linear):
             plan = {mlp.up: ColwiseParallel(), mlp.down: RowwiseParallel()}
