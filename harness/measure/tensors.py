@@ -22,7 +22,7 @@ def _is_dtensor(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _leaves(tensor: torch.Tensor) -> Iterable[torch.Tensor]:
+def leaves(tensor: torch.Tensor) -> Iterable[torch.Tensor]:
     """The plain tensors that hold a tensor's data: itself, or, for wrapper subclasses such as
     torchao's quantized weights (int8 data + scales), the inner tensors they flatten to. A sharded
     DTensor (FSDP2, tensor parallelism) holds this rank's shard: its local tensor."""
@@ -31,7 +31,7 @@ def _leaves(tensor: torch.Tensor) -> Iterable[torch.Tensor]:
     elif is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         for name in names:
-            yield from _leaves(getattr(tensor, name))
+            yield from leaves(getattr(tensor, name))
     else:
         yield tensor
 
@@ -39,7 +39,7 @@ def _leaves(tensor: torch.Tensor) -> Iterable[torch.Tensor]:
 def nbytes(tensor: torch.Tensor) -> int:
     """The bytes a tensor's elements take, through wrapper subclasses (quantised states and weights);
     unlike storage_bytes it works on fake tensors, whose storages have no addresses."""
-    return sum(leaf.numel() * leaf.element_size() for leaf in _leaves(tensor))
+    return sum(leaf.numel() * leaf.element_size() for leaf in leaves(tensor))
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -48,7 +48,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for tensor in tensors:
         if tensor is None:
             continue
-        for leaf in _leaves(tensor):
+        for leaf in leaves(tensor):
             if leaf.device.type == "meta":
                 continue
             storage = leaf.untyped_storage()

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from harness.cell import ResolvedCell
-from harness.measure.tensors import nbytes
+from harness.measure.tensors import leaves, nbytes
 from harness.project.autocast_policy import cuda_autocast_policy
 from harness.project.lean_import import import_mem_tracker
 from suites.step import Step
@@ -321,7 +321,10 @@ class _OpCostMode(TorchDispatchMode):
             return out  # metadata queries (device, sizes): no kernel; in-place foreach ops return None
         flops = 0.0
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        dtype = next((str(t.dtype).removeprefix("torch.") for t in inputs if t.is_floating_point()), "other")
+        # A wrapper subclass (torchao's fp8 training tensors, NF4 weights) is costed as the data it holds: its
+        # matmul runs in its inner dtype (fp8 via _scaled_mm, below this mode) and reads its inner bytes.
+        dtype = next((str(leaf.dtype).removeprefix("torch.") for t in inputs for leaf in leaves(t)
+                      if leaf.is_floating_point()), "other")
         if packet is torch.ops.aten._int_mm:
             # int8 x int8 -> int32 GEMM (ptq-int8): FlopCounterMode has no formula for it, and its
             # operands are not floating point, so its dtype is named here.
@@ -335,7 +338,7 @@ class _OpCostMode(TorchDispatchMode):
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
         elif "scaled_dot_product" in name and ("for_cpu" in name or func.namespace == "headroom"):
             flops = _cpu_attention_flops(name, args)
-        moved = sum(t.numel() * t.element_size() for t in inputs + outputs)
+        moved = sum(nbytes(t) for t in inputs + outputs)
         kernels = foreach_kernels(args) if multi_tensor else 1
         shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
                         _aligned(name, args, dtype))
