@@ -195,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(project)
     project.add_argument("--largest-model", action="store_true",
                          help="instead: the largest size of --workload that fits --gpu at its smallest batch")
+    ranks = project.add_mutually_exclusive_group()
+    ranks.add_argument("--dp", type=_count, default=None, metavar="N",
+                       help="GPUs a data-parallel or sharded stack runs on (the global batch: N x the size's batch)")
+    ranks.add_argument("--min-gpus", action="store_true",
+                       help="the fewest GPUs (powers of two) on which a data-parallel or sharded stack fits")
+    for flag in ("--tp", "--pp", "--ep"):
+        project.add_argument(flag, type=_count, default=None, metavar="N", help=argparse.SUPPRESS)
     project.add_argument("--format", choices=("table", "json"), default="table")
 
     from harness import cli_fragmentation, cli_serving  # commands of their own modules
@@ -416,7 +423,12 @@ def cmd_project(args) -> int:
     if len(user) + bool(args.workload) > 1:
         raise UsageError("project answers for one model: give one of --workload, --model, --hf-config")
     named = {"workload": args.workload or user[0]} if args.workload or user else {}
-    request = ProjectRequest(gpu=args.gpu, technique=args.technique, mode=args.mode, size=args.size,
+    for flag in ("tp", "pp", "ep"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag}: projecting tensor, pipeline and expert parallelism is not implemented yet; "
+                             "data-parallel and sharded stacks are (--dp N, --min-gpus)")
+    request = ProjectRequest(dp=args.dp, min_gpus=args.min_gpus,
+                             gpu=args.gpu, technique=args.technique, mode=args.mode, size=args.size,
                              batch_size=args.batch_size, max_batch=args.max_batch, seq_len=args.seq_len,
                              prompt_len=args.prompt_len, gen_len=args.gen_len, max_context=args.max_context, **named)
     profiles = _profiles(args)

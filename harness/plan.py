@@ -98,8 +98,8 @@ def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads:
     asked for, the local device is measured, and where it is a CPU every GPU of `profiles` (None: none)
     is projected at DAY_ONE_SCALES (unless `scale` or `sizes` are given). `require_device` refuses
     (ValueError) GPUs this machine lacks instead of projecting them. `stacks` ['all'] means every
-    technique and recipe. `world_size` ranks run each measured cell of a parallel stack (torchrun); such
-    cells get no projected twin yet (projection of parallel stacks is its own step)."""
+    technique and recipe. `world_size` ranks run each measured cell of a parallel stack (torchrun) and are
+    the GPUs its projections assume (harness/project/parallel.py)."""
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")
     day_one = (gpus is None and local.vendor == "cpu" and profiles is not None and not scale and not sizes
@@ -117,15 +117,17 @@ def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads:
     lengths = {"prompt_len": prompt_len, "gen_len": gen_len}
     measured = expand(workloads, stacks, [g for g in gpus if g.id == local.id], modes, scale=local_scale,
                       sizes=sizes, batch_size=batch_size, **lengths)
-    if world_size != 1:  # the parallel stacks run on the ranks; the others stay single-process, with twins
-        measured = [dataclasses.replace(c, world_size=world_size) if parse_stack(c.technique).parallel else c
-                    for c in measured]
-    projected = [dataclasses.replace(c, source="projected") for c in measured if c.world_size == 1]
+    def on_ranks(cells: list[Cell]) -> list[Cell]:  # parallel stacks run on the ranks; the others on one device
+        return [dataclasses.replace(c, world_size=world_size) if parse_stack(c.technique).parallel else c
+                for c in cells]
+
+    measured = on_ranks(measured)
+    projected = [dataclasses.replace(c, source="projected") for c in measured]
     projected_scales = DAY_ONE_SCALES if day_one else (scale or DEFAULT_PROJECTED_SCALE,)
     if foreign:
         for projected_scale in projected_scales:
-            projected += expand(workloads, stacks, foreign, modes, scale=projected_scale, sizes=sizes,
-                                batch_size=batch_size, source="projected", **lengths)
+            projected += on_ranks(expand(workloads, stacks, foreign, modes, scale=projected_scale, sizes=sizes,
+                                         batch_size=batch_size, source="projected", **lengths))
     return RunPlan(measured, projected, local, foreign, local_scale, "+".join(projected_scales), day_one)
 
 

@@ -152,7 +152,10 @@ _REQUIRED = ("id", "family", "name", "vendor", "match", "features")
 _SOURCED = ("memory_gib", "visible_memory_mib", "memory_bandwidth_gb_s", "tdp_w", "sm_count", "l2_mib",
             "compute_capability",
             "peak_tflops", "sparse_tflops", "achievable_tflops", "achievable_bandwidth_gb_s", "interconnect")
-_INTERCONNECT = {"gpu_link": str, "gpu_link_gb_s": (int, float), "host_link": str, "host_link_gb_s": (int, float)}
+# node_gpus: GPUs one server (node) holds, linked by gpu_link; node_network_gb_s: the node's network to
+# other nodes, one direction, all its NICs together (what GPUs in different nodes share).
+_INTERCONNECT = {"gpu_link": str, "gpu_link_gb_s": (int, float), "host_link": str, "host_link_gb_s": (int, float),
+                 "node_gpus": int, "node_network_gb_s": (int, float)}
 
 
 def _fail(path: Path, field_name: str, expected: str) -> ProfileError:

@@ -49,7 +49,9 @@ def twin_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
     """(projected, measured) for every ok projected row whose twin measured ok; the one definition of
     a twin, used by the runner (to attach the errors) and by `twin_table`."""
     ok = [row for row in rows if row["status"] == "ok"]
-    measured = {tuple(row[k] for k in TWIN_KEY): row for row in ok if row["source"] == "measured"}
+    # A parallel cell's twin is its cell row (the maximum over ranks), never one rank's row.
+    measured = {tuple(row[k] for k in TWIN_KEY): row for row in ok
+                if row["source"] == "measured" and pd.isna(row.get("rank"))}
     pairs = []
     for row in ok:
         if row["source"] == "projected":

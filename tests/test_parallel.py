@@ -150,13 +150,16 @@ def test_shards_split_the_plan_into_disjoint_slices_that_cover_it():
             parse_shard(bad)
 
 
-def test_a_parallel_stack_cannot_be_projected_yet_and_says_so():
+def test_projected_parallel_cells_run_like_measured_ones_and_tensor_parallelism_says_it_is_not_projected_yet():
     from harness.cell import Cell
     from harness.runner import RunnerOptions, run_cell
 
-    cell = Cell("gpt", "gpt2-124m", "train", "fsdp", "h100-sxm", 8, source="projected")
-    row = run_cell(cell, PROFILES, RunnerOptions(run_id="t"))[0]
-    assert row.status == "unsupported" and "torchrun" in row.reason
+    fsdp = run_cell(Cell("gpt", "gpt2-124m", "train", "fsdp", "h100-sxm", 8, source="projected", world_size=8),
+                    PROFILES, RunnerOptions(run_id="t"))
+    assert len(fsdp) == 1 and fsdp[0].status == "ok" and fsdp[0].world_size == 8  # one row: no ranks to fold
+    tensor = run_cell(Cell("gpt", "gpt2-124m", "train", "tensor-parallel", "h100-sxm", 8, source="projected",
+                           world_size=2), PROFILES, RunnerOptions(run_id="t"))[0]
+    assert tensor.status == "unsupported" and "not implemented yet" in tensor.reason
 
 
 def test_a_rank_that_hangs_is_named_and_the_finished_ranks_keep_their_rows():

@@ -11,6 +11,7 @@ returns the same `Outcome` a measurement does (harness/outcome.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -67,13 +68,17 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
     if cell.unsupported:
         return failure("unsupported", cell.unsupported)
     try:
+        if cell.stack.parallel:  # on several GPUs: one rank's trace, sharded (harness/project/parallel.py)
+            from harness.project.parallel import project_parallel  # it builds on this module
+
+            return dataclasses.replace(project_parallel(cell), wall_time_s=time.perf_counter() - started)
         projection = project(cell)
     except Unsupported as exc:
         return failure("unsupported", str(exc))
     except Exception as exc:  # a projection bug must become a row, not end the run
         return failure("error", f"projection failed: {type(exc).__name__}: {exc}")
     memory, step = projection.memory, projection.time
-    status, reason = ("oom", _oom_reason(memory, cell.profile.id)) if memory.fits is False else ("ok", "")
+    status, reason = ("oom", oom_reason(memory, cell.profile.id)) if memory.fits is False else ("ok", "")
     if status == "oom" and projection.trace.gen_len:
         reason += ("; serving it over several GPUs (tensor parallelism) is not modelled yet: try quantised weights "
                    "(group-quant, group-quant-int4), kv-int8 or a shorter context")
@@ -137,7 +142,7 @@ def _serving(projection: Projection) -> ServingFigures | None:
                           streamed_bytes=trace.params_bytes - trace.gathered_bytes)
 
 
-def _oom_reason(memory: MemoryProjection, gpu: str) -> str:
+def oom_reason(memory: MemoryProjection, gpu: str) -> str:
     context = f"{memory.overhead / MiB:,.0f} MiB CUDA context > {memory.capacity / MiB:,.0f} MiB on {gpu}"
     if memory.peak_allocated + memory.overhead > memory.capacity:
         return f"needs {memory.peak_allocated / MiB:,.0f} MiB allocated at its peak + {context}"

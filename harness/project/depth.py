@@ -59,6 +59,9 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         kv_cache_bytes=round(lin(a.kv_cache_bytes, b.kv_cache_bytes)),
         gathered_bytes=round(lin(a.gathered_bytes, b.gathered_bytes)),
         phase_peaks={p: round(v) for p, v in peaks.items() if p},
+        phase_at_peak={p: {k: round(lin(a.phase_at_peak[p].get(k, 0), b.phase_at_peak[p].get(k, 0)))
+                           for k in set(a.phase_at_peak[p]) | set(b.phase_at_peak[p])}
+                       for p in phases if p and p in a.phase_at_peak and p in b.phase_at_peak},
         host=HostTraffic(*(round(lin(x, y)) for x, y in zip(astuple(a.host), astuple(b.host), strict=True)))
         if a.host and b.host else None)
 

@@ -44,6 +44,8 @@ class ProjectRequest:
     prompt_len: int | None = None  # serving: prompt and generated tokens per sequence
     gen_len: int | None = None
     max_context: bool = False  # serving: the longest prompt that fits at the batch
+    dp: int | None = None  # data-parallel / sharded ranks of a parallel stack
+    min_gpus: bool = False  # solve for the fewest ranks (powers of two) on which the stack fits
 
 
 def _resolve_all(request: ProjectRequest, profiles) -> list[ResolvedCell]:
@@ -60,8 +62,13 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
     # Batch 1 until the size is known; the empty size resolves to the workload's default (Cell.resolve).
     cell = Cell(request.workload, request.size or "", request.mode, request.technique, request.gpu,
                 request.batch_size or 1, source="projected", prompt_len=request.prompt_len,
-                gen_len=request.gen_len).resolve(profiles)
+                gen_len=request.gen_len, world_size=request.dp or 1).resolve(profiles)
     spec = cell.spec
+    if cell.stack.parallel and not (request.dp or request.min_gpus):
+        raise ValueError(f"{cell.stack.name} runs on several GPUs: give --dp N (how many) or --min-gpus")
+    if (request.dp or request.min_gpus) and not cell.stack.parallel:
+        raise ValueError("--dp and --min-gpus apply to data-parallel and sharded stacks (data-parallel, zero1, fsdp, "
+                         f"fsdp-zero2, cpu-offload); {cell.stack.name} runs on one GPU")
     if request.max_context and spec.gen_len is None:
         raise ValueError("--max-context solves for a served decoder's longest prompt: it needs --mode infer and a "
                          "decoder workload (gpt)")
@@ -77,13 +84,37 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
         if not 1 <= request.seq_len <= limit:
             raise ValueError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {request.seq_len}")
         spec = dataclasses.replace(spec, seq_len=request.seq_len)
-    return cell.with_spec(spec).with_batch(request.batch_size or spec.batch_size)
+    # Data parallelism keeps each GPU's batch and multiplies the global one (weak scaling), unless given.
+    return cell.with_spec(spec).with_batch(request.batch_size or spec.batch_size * (request.dp or 1))
 
 
 def projected_rows(request: ProjectRequest, profiles) -> list[Record]:
     """The projected row of the request's cell on each GPU it names; with `max_batch`, at the largest
-    batch that fits each."""
+    batch that fits each; with `min_gpus`, on the fewest GPUs that hold it."""
+    if request.min_gpus:
+        return [fewest_gpus(request, profile.id, profiles) for profile in resolve_gpus([request.gpu], profiles)]
     return [_projected_row(cell, request.max_batch, request.max_context) for cell in _resolve_all(request, profiles)]
+
+
+MAX_GPUS = 16384
+
+
+def fewest_gpus(request: ProjectRequest, gpu: str, profiles) -> Record:
+    """The row on the fewest GPUs (1, 2, 4, ... up to MAX_GPUS) on which the stack fits, each at the size's
+    batch per GPU unless --batch-size fixes the global one; the last row tried if none fits."""
+    ranks, record = 1, None
+    while ranks <= MAX_GPUS:
+        cell = _resolve(dataclasses.replace(request, gpu=gpu, dp=ranks, min_gpus=False), profiles)
+        record = to_record(cell, project_outcome(cell), PROJECT_RUN_ID)
+        if record.status != "oom":
+            break
+        ranks *= 2
+    verdict = "fits" if record.status == "ok" else record.status
+    found = f"--min-gpus: {verdict} on {record.world_size} GPUs"
+    if record.status == "oom":
+        found += f" (still out of memory at {MAX_GPUS})"
+    record.notes = "; ".join(filter(None, [record.notes, found]))
+    return record
 
 
 def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool = False) -> Record:
