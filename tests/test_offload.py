@@ -108,3 +108,11 @@ def test_offload_refuses_loss_scaling_and_several_ranks():
     ranked.data_parallel = 2  # as data-parallel and the sharded stacks leave it, before the step phase
     with pytest.raises(Unsupported, match="single-GPU"):
         parse_stack("optim-offload").apply(ranked)
+
+
+def test_state_is_split_between_host_and_device_memory():
+    from harness.measure.tensors import storage_bytes
+
+    host = [torch.zeros(10), torch.zeros(5, dtype=torch.float16)]
+    assert storage_bytes(host) == storage_bytes(host, "host") == 50
+    assert storage_bytes(host, "device") == 0  # nothing of it on an accelerator

@@ -132,10 +132,15 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
             streamed_bytes=parameter_bytes(run.model) - workload.serving.gathered_bytes(run.model))
     # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # On an accelerator, state kept in host memory (FSDP2's CPU offload, the offloaded optimizer) is the
+    # row's host_bytes, not device memory; on the CPU everything is the device's.
+    where = "device" if device.type != "cpu" else None
+    host = _host_bytes(run, step) if where else None
     memory = MemoryFigures(
         peak_allocated=reading.peak_allocated, peak_reserved=reading.peak_reserved, process_peak_rss=rss,
-        params=parameter_bytes(run.model), grads=gradient_bytes(run.model) if cell.mode == "train" else None,
-        optimizer=optimizer_state_bytes(step.optimizer), host=host_state_bytes(step.optimizer),
+        params=parameter_bytes(run.model, where),
+        grads=gradient_bytes(run.model, where) if cell.mode == "train" else None,
+        optimizer=optimizer_state_bytes(step.optimizer, where), host=host,
         activations=_activations(reading, cell.mode),
         param_count=count_parameters(run.model), alloc_retries=reading.alloc_retries, allocator=reading.allocator,
         kv_cache=step.cache_bytes(cell.batch_size) if step.generates else None)
@@ -184,6 +189,14 @@ def _timed(step: Step, batch, settings: MeasureSettings, device: torch.device):
         generation = time_generation(step, batch["input_ids"], settings.steps, settings.repeats, device)
         return generation.generations, generation
     return time_steps(lambda: step(batch), settings.steps, settings.repeats, device), None
+
+
+def _host_bytes(run: Run, step: Step) -> int | None:
+    """Host memory holding the run's state while it trains on an accelerator; None when it holds none."""
+    offloaded = host_state_bytes(step.optimizer) or 0
+    resident = (parameter_bytes(run.model, "host") + gradient_bytes(run.model, "host")
+                + (optimizer_state_bytes(step.optimizer, "host") or 0))
+    return (offloaded + resident) or None
 
 
 def _activations(reading, mode: str) -> int | None:

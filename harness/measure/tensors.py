@@ -42,30 +42,31 @@ def nbytes(tensor: torch.Tensor) -> int:
     return sum(leaf.numel() * leaf.element_size() for leaf in leaves(tensor))
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Total bytes of the distinct storages behind `tensors`."""
+def storage_bytes(tensors: Iterable[torch.Tensor], where: str | None = None) -> int:
+    """Total bytes of the distinct storages behind `tensors`; `where` "host" counts those in host memory
+    only, "device" the others (an accelerator's), None all of them."""
     seen: dict[tuple[str, int], int] = {}
     for tensor in tensors:
         if tensor is None:
             continue
         for leaf in leaves(tensor):
-            if leaf.device.type == "meta":
+            if leaf.device.type == "meta" or (where is not None and (leaf.device.type == "cpu") != (where == "host")):
                 continue
             storage = leaf.untyped_storage()
             seen[(leaf.device.type, storage.data_ptr())] = storage.nbytes()
     return sum(seen.values())
 
 
-def parameter_bytes(model: nn.Module) -> int:
+def parameter_bytes(model: nn.Module, where: str | None = None) -> int:
     """The model's state: parameters and buffers (int8 weights stored as buffers count here too)."""
-    return storage_bytes([*model.parameters(), *model.buffers()])
+    return storage_bytes([*model.parameters(), *model.buffers()], where)
 
 
-def gradient_bytes(model: nn.Module) -> int:
-    return storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+def gradient_bytes(model: nn.Module, where: str | None = None) -> int:
+    return storage_bytes((p.grad for p in model.parameters() if p.grad is not None), where)
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int | None:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, where: str | None = None) -> int | None:
     if optimizer is None:
         return None
     # ZeRO-1's wrapper keeps this rank's shard of the state in the optimizer it wraps.
@@ -76,5 +77,5 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int | None
         optimizer = optimizer.d_opt
         if optimizer is None:
             return 0
-    return storage_bytes(value for state in optimizer.state.values() for value in state.values()
-                         if isinstance(value, torch.Tensor))
+    return storage_bytes((value for state in optimizer.state.values() for value in state.values()
+                          if isinstance(value, torch.Tensor)), where)
