@@ -35,7 +35,7 @@ def _gemm(flops: float, count: int = 1, aligned: bool = True, issuer: str = "pyt
     profile = PROFILES["h100-sxm"]
     return OpArrays(count=np.array([count], float), flops=np.array([flops]), bytes=np.array([flops / 1000]),
                     kernels=np.array([1.0]), phase=np.array([0]), issuer=np.array([ISSUERS.index(issuer)]),
-                    aligned=np.array([aligned]), op_class=np.array([0]),
+                    aligned=np.array([aligned]), op_class=np.array([0]), fused=np.array([False]),
                     achievable=np.array([profile.achievable_flops["bf16"]]),
                     datasheet=np.array([profile.peak("bf16")]), sm_count=profile.sm_count,
                     bandwidth=profile.memory_bandwidth_bytes_s, achievable_bandwidth=None, host_is_device=False)

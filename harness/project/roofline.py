@@ -69,6 +69,7 @@ class OpArrays:
     issuer: np.ndarray      # index into ISSUERS
     aligned: np.ndarray     # bool: GEMM dimensions on the tensor-core granule
     op_class: np.ndarray    # index into _CLASS_INDEX
+    fused: np.ndarray       # bool: an elementwise op inside a compiled kernel (the trace saw the fusion)
     achievable: np.ndarray  # measured achievable FLOP/s of the op's dtype, nan where unmeasured
     datasheet: np.ndarray   # dense datasheet FLOP/s of the op's dtype, nan where unknown (0 for no FLOPs)
     sm_count: int
@@ -114,6 +115,7 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
         issuer=column([ISSUERS.index(s.issuer) for s, _ in rows], int),
         aligned=column([s.aligned for s, _ in rows], bool),
         op_class=column([_CLASS_INDEX[s.op_class] for s, _ in rows], int),
+        fused=column([s.fused for s, _ in rows], bool),
         achievable=column(achievable), datasheet=column(datasheet), sm_count=profile.sm_count or DEFAULT_SM_COUNT,
         bandwidth=profile.memory_bandwidth_bytes_s, achievable_bandwidth=profile.achievable_bandwidth_bytes_s,
         host_is_device=profile.vendor == "cpu",
@@ -161,7 +163,9 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
         # without autograd's per-op recording (costed as the engine's C++ dispatch), and the optimizer step
         # stays eager.
         graph = ops.phase != PHASES.index("optimizer")
-        fused = graph & (ops.op_class == _CLASS_INDEX["memory"])
+        # Where the trace followed the fusion (a compiled training step), its marks say which ops it took in
+        # and its stores are the fused kernels; otherwise (a served graph) every elementwise op is fused.
+        fused = ops.fused if ops.fused.any() else graph & (ops.op_class == _CLASS_INDEX["memory"])
         launch = np.where(fused, 0.0, launch)
         wrapper = 0.0 if ops.cuda_graphs else constants.issue_s["engine"]
         issue_per_op = np.where(fused, 0.0, np.where(graph, wrapper * ops.count, issue_per_op))

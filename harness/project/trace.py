@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ class OpShape:
     kernels: int = 1
     issuer: str = "python"
     aligned: bool = True
+    fused: bool = False  # an elementwise op inside a compiled kernel: no launch or host cost of its own
 
 
 @dataclass
@@ -294,12 +296,53 @@ def foreach_kernels(args) -> int:
 
 
 class _OpCostMode(TorchDispatchMode):
-    """Counts FLOPs (PyTorch's flop formulas), bytes read + written and kernels of every op, by shape."""
+    """Counts FLOPs (PyTorch's flop formulas), bytes read + written and kernels of every op, by shape.
 
-    def __init__(self) -> None:
+    `fused`: the model is torch.compile'd, whose Inductor fuses chains of elementwise ops into one kernel
+    that keeps the intermediates in registers. An elementwise op's output is then written to memory only if
+    something outside the chain needs it: a matmul, attention or convolution reads it, or it is still alive
+    when its phase ends (saved for the backward, a gradient); one that dies inside the chain never is, and
+    an elementwise op reads another's output for free. The optimizer step is not compiled."""
+
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
         self.ops: dict[OpShape, int] = defaultdict(int)
-        self.phase = "forward"
+        self._phase = "forward"
+        self.fused = fused
+        # id -> (the tensor, its bytes, its dtype): written by an elementwise op of this phase, not yet stored.
+        self._pending: dict[int, tuple[weakref.ref, int, str]] = {}
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        if phase != self._phase:
+            self.flush()
+        self._phase = phase
+
+    def flush(self) -> None:
+        """Store what the fused chains of this phase leave alive (saved tensors, gradients)."""
+        for key in list(self._pending):
+            self._store(key)
+
+    def _in_registers(self, tensor: torch.Tensor) -> bool:
+        entry = self._pending.get(id(tensor))
+        return entry is not None and entry[0]() is tensor
+
+    def _hold(self, tensors, dtype: str) -> None:
+        for tensor in tensors:
+            key = id(tensor)
+            self._pending[key] = (weakref.ref(tensor, lambda _, key=key: self._pending.pop(key, None)),
+                                  nbytes(tensor), dtype)
+
+    def _store(self, key: int) -> None:
+        """The fused chain stores this intermediate after all: one compiled kernel's output, launched from
+        Inductor's wrapper (the engine's C++-level issue cost)."""
+        ref, size, dtype = self._pending.pop(key)
+        if ref() is not None:
+            self.ops[OpShape(self._phase, "memory", dtype, 0.0, float(size), 1, "engine")] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -338,10 +381,19 @@ class _OpCostMode(TorchDispatchMode):
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
         elif "scaled_dot_product" in name and ("for_cpu" in name or func.namespace == "headroom"):
             flops = _cpu_attention_flops(name, args)
-        moved = sum(nbytes(t) for t in inputs + outputs)
+        fusing = self.fused and self.phase != "optimizer" and op_class(name) == "memory" and not multi_tensor
+        if fusing:
+            # Reads of the chain's intermediates are free; its outputs are held until someone needs them.
+            moved = sum(nbytes(t) for t in inputs if not self._in_registers(t))
+            self._hold(outputs, dtype)
+        else:
+            for t in inputs:  # a kernel outside the chain reads it: the chain must have stored it
+                if self._in_registers(t):
+                    self._store(id(t))
+            moved = sum(nbytes(t) for t in inputs + outputs)
         kernels = foreach_kernels(args) if multi_tensor else 1
         shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
-                        _aligned(name, args, dtype))
+                        _aligned(name, args, dtype), fusing)
         self.ops[shape] += 1
         return out
 
@@ -446,7 +498,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             baseline = tracker.total
             marks: dict[str, dict[str, int]] = {}
 
-            costs = _OpCostMode()
+            costs = _OpCostMode(fused=run.compiled)
             phase_after = ({"forward_start": "forward", "forward_end": "backward", "backward_end": "optimizer"}
                            if run.mode == "train" else {})
 
@@ -461,6 +513,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             tracker.phase_peaks, tracker.phase_at_peak = {}, {}
             with tracker, costs:
                 step(batch, mark=mark)
+                costs.flush()
             end = tracker.by_category()
     ops = dict(costs.ops)
     if step.optimizer is not None and type(step.optimizer).__module__.startswith("torchao"):
