@@ -108,8 +108,11 @@ def test_a_cell_on_two_ranks_has_a_row_per_rank_and_the_maximum(tmp_path):
     assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline,fsdp", "--mode", "train",
                  "--world-size", "2", "--out", str(out), "--steps", "10", "--repeats", "1", "--no-accuracy"]) == 0
     frame = pd.read_csv(out / "results.csv")
-    fsdp = frame[frame["technique"] == "fsdp"]
+    fsdp = frame[(frame["technique"] == "fsdp") & (frame["source"] == "measured")]
     assert sorted(fsdp["rank"].fillna(-1).astype(int)) == [-1, 0, 1] and (fsdp["world_size"] == 2).all()
+    twin = frame[(frame["technique"] == "fsdp") & (frame["source"] == "projected")].iloc[0]
+    # Its projected twin: one rank on 2 GPUs, checked against the cell row (the maximum over ranks).
+    assert twin["world_size"] == 2 and pd.isna(twin["rank"]) and abs(twin["peak_error_vs_measured"]) < 0.5
     cell, ranks = fsdp[fsdp["rank"].isna()].iloc[0], fsdp[fsdp["rank"].notna()]
     assert cell["status"] == "ok" and cell["peak_allocated_bytes"] == ranks["peak_allocated_bytes"].max()
     assert cell["step_time_ms_p50"] == ranks["step_time_ms_p50"].max() and cell["comm_bytes_per_step"] > 0
