@@ -63,6 +63,13 @@ def test_a_7b_full_fine_tune_needs_sharding_on_eight_h100s():
     assert fsdp.speed.step_time_ms_p50 > 0 and fsdp.comm_bytes_per_step > 0
 
 
+def test_cpu_offload_without_a_known_host_link_has_no_step_time_and_says_why():
+    cell = Cell("gpt", "gpt2-124m", "train", "cpu-offload+amp-bf16", "b200", 8, source="projected", world_size=8)
+    outcome = project_outcome(cell.resolve(PROFILES))
+    assert outcome.status == "ok" and outcome.speed is None and outcome.memory.host > 0
+    assert any("no host link bandwidth known for b200" in note for note in outcome.notes)
+
+
 def test_min_gpus_answers_the_fewest_that_hold_the_stack():
     request = ProjectRequest(gpu="h100-sxm", workload="gpt", size="gpt-7b", technique="fsdp+amp-bf16+checkpointing",
                              min_gpus=True)

@@ -183,7 +183,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     memory (peaks are per rank, never summed) and the step with its exposed communication."""
     from harness.ledger import unfitted_interval
     from harness.project import oom_reason, project
-    from harness.project.roofline import estimate, offload_s
+    from harness.project.roofline import estimate, host_link_bytes_s, offload_s
 
     if cell.unsupported:
         return failure("unsupported", cell.unsupported)
@@ -217,6 +217,9 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     if fits is not False and projection.time is not None:
         profile = cell.profile.per_device()
         link, described = link_bytes_s(profile, layout.dp)
+        host_link = host_link_bytes_s(profile)
+        if technique == "cpu-offload" and host_link is None:
+            link, described = None, f"no host link bandwidth known for {profile.id} (interconnect.host_link_gb_s)"
         if link is None:
             notes.append(f"no step time: {described}")
         else:
@@ -224,9 +227,12 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
             exposed = exposed_s(sent, phases, link, technique)
             step = projection.time.step_s + exposed
             if technique == "cpu-offload":
-                shard = rank.host // 3 if rank.host else 0
-                step += offload_s(HostTraffic(rank.host or 0, shard, shard, 7 * shard), link_host(profile),
-                                  phases["backward"], notes)
+                # Each step this rank's gradient shard goes to the host, whose AdamW updates the parameter
+                # shard, which comes back for the next step's gathers.
+                params_shard = -(-trace.params_bytes // layout.dp)
+                grads_shard = -(-trace.grads_bytes // layout.dp)
+                step += offload_s(HostTraffic(rank.host or 0, grads_shard, params_shard, 7 * params_shard),
+                                  host_link, phases["backward"], notes)
             notes.append(f"communication {sum(sent.values()) / 2**20:,.0f} MiB sent per rank per step over "
                          f"{described}: {exposed * 1e3:.1f} ms not hidden under compute")
             bar = unfitted_interval(step * 1e3, "multi-GPU communication not yet checked against a measured "
@@ -243,9 +249,3 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         reason += f" (per rank, {layout.dp}-way {technique})"
     return Outcome(status=status, reason=reason, precision=trace.precision, memory=figures, speed=speed, fits=fits,
                    device_name=cell.profile.name, notes=notes, comm_bytes_per_step=round(sum(sent.values())))
-
-
-def link_host(profile) -> float:
-    from harness.project.roofline import host_link_bytes_s
-
-    return host_link_bytes_s(profile) or 1e9
