@@ -50,7 +50,7 @@ def test_a_compiled_training_step_projects_fused_elementwise_ops_and_an_eager_op
 
 
 def test_a_fused_chain_reads_its_input_once_and_stores_only_what_a_matmul_needs():
-    from harness.project.trace import _OpCostMode
+    from harness.project.op_costs import _OpCostMode
 
     x, weight = torch.randn(64, 64), torch.randn(64, 64)
     size = x.numel() * 4

@@ -13,10 +13,10 @@ from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.project import project, traced
 from harness.project.depth import traced_to_depth
+from harness.project.op_costs import foreach_kernels
 from harness.project.roofline import ISSUERS, OpArrays, estimate, step_time
 from harness.project.speed_constants import constants_for
 from harness.project.speed_fit import SpeedPoint, fit, held_out, projected_s
-from harness.project.trace import foreach_kernels
 from suites.step import tf32_matmuls
 from suites.techniques import TECHNIQUES, parse_stack
 from suites.workloads import WORKLOADS

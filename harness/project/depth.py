@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import astuple
 
 from harness.cell import ResolvedCell
-from harness.project.trace import OpShape, StepTrace, traced
+from harness.project.op_costs import OpShape
+from harness.project.trace import StepTrace, traced
 from suites.techniques.offload import HostTraffic
 
 # Models deeper than this are traced at TRACE_DEPTHS layers and extrapolated.

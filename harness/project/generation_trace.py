@@ -15,11 +15,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.cell import ResolvedCell
+from harness.project.op_costs import _OpCostMode
 from harness.project.trace import (
     CUDA_ROUNDING,
     StepTrace,
     _FirstMatmuls,
-    _OpCostMode,
     _RecordingMemTracker,
     as_target_runs,
 )

@@ -1,0 +1,231 @@
+"""What each traced op costs, op by op, for the speed model (roofline.py): its FLOPs (PyTorch's
+`torch.utils.flop_counter` formulas), the bytes it reads and writes, the kernels it launches and who
+issues it, as a dispatch mode over a fake-tensor step (trace.py); in a compiled step, which elementwise
+ops Inductor fuses.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from harness.measure.tensors import leaves, nbytes
+
+
+@dataclass
+class OpCost:
+    """Summed cost of one class of ops in one dtype."""
+
+    count: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class OpShape:
+    """One kind of op as the speed model costs it: its step phase, roofline class, dtype, FLOPs, bytes
+    read + written and the GPU kernels it launches (a foreach op launches one per chunk of tensors).
+    Ops of one shape (a layer's matmuls, repeated per layer) are kept once with a count.
+
+    `issuer` is who issues it on the host, which sets its dispatch cost: `python` (a forward op
+    recorded for autograd, a checkpoint's recomputation, the optimizer), `engine` (autograd's C++
+    backward) or `inference` (no autograd). `aligned`: a GEMM whose every dimension is a multiple of
+    the tensor cores' granule (8 elements of 16 bits, 16 of 8 bits); others run slower kernels
+    (NVIDIA's Matrix Multiplication Background guide; GPT-2's vocabulary of 50,257 is the known case)."""
+
+    phase: str
+    op_class: str
+    dtype: str
+    flops: float
+    bytes: float
+    kernels: int = 1
+    issuer: str = "python"
+    aligned: bool = True
+    fused: bool = False  # an elementwise op inside a compiled kernel: no launch or host cost of its own
+
+
+def op_class(name: str) -> str:
+    """Roofline class of an aten op: where its efficiency factor comes from."""
+    if "convolution" in name:
+        return "conv"
+    if "scaled_dot_product" in name:
+        return "attention"
+    if any(k in name for k in ("mm", "matmul", "linear", "baddbmm")):
+        return "matmul"
+    return "memory"
+
+
+_NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+
+
+# PyTorch's multi_tensor_apply (the foreach kernels of the optimizer step) launches a kernel when a
+# chunk list fills: at most 110..30 tensors (fewer with more lists per op; 64 is the middle) or 320
+# blocks of 65,536 elements (aten/src/ATen/native/cuda/MultiTensorApply.cuh).
+FOREACH_TENSORS_PER_KERNEL = 64
+FOREACH_ELEMENTS_PER_KERNEL = 320 * 65536
+
+
+def _issuer(phase: str) -> str:
+    # Autograd's engine runs backward functions with grad mode off; a checkpoint's recomputation runs
+    # forward code from Python with grad mode on, in the middle of the backward.
+    if torch.is_inference_mode_enabled():
+        return "inference"
+    return "engine" if phase == "backward" and not torch.is_grad_enabled() else "python"
+
+
+def _aligned(name: str, args, dtype: str) -> bool:
+    """Whether a matmul's operands have every dimension a multiple of the tensor-core granule."""
+    if op_class(name) != "matmul" or dtype not in ("bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"):
+        return True
+    granule = 16 if dtype in ("int8", "float8_e4m3fn", "float8_e5m2") else 8
+    dims = [d for t in args if isinstance(t, torch.Tensor) and t.dim() >= 2 for d in t.shape[-2:]]
+    return all(int(d) % granule == 0 for d in dims)
+
+
+def foreach_kernels(args) -> int:
+    """Kernels a foreach op launches on CUDA, from its first tensor list."""
+    tensors = next((a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)), [])
+    elements = sum(t.numel() for t in tensors)
+    return max(1, math.ceil(len(tensors) / FOREACH_TENSORS_PER_KERNEL),
+               math.ceil(elements / FOREACH_ELEMENTS_PER_KERNEL))
+
+
+class _OpCostMode(TorchDispatchMode):
+    """Counts FLOPs (PyTorch's flop formulas), bytes read + written and kernels of every op, by shape.
+
+    `fused`: the model is torch.compile'd, whose Inductor fuses chains of elementwise ops into one kernel
+    that keeps the intermediates in registers. An elementwise op's output is then written to memory only if
+    something outside the chain needs it: a matmul, attention or convolution reads it, or it is still alive
+    when its phase ends (saved for the backward, a gradient); one that dies inside the chain never is, and
+    an elementwise op reads another's output for free. The optimizer step is not compiled."""
+
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.ops: dict[OpShape, int] = defaultdict(int)
+        self._phase = "forward"
+        self.fused = fused
+        # id -> (the tensor, its bytes, its dtype): written by an elementwise op of this phase, not yet stored.
+        self._pending: dict[int, tuple[weakref.ref, int, str]] = {}
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        if phase != self._phase:
+            self.flush()
+        self._phase = phase
+
+    def flush(self) -> None:
+        """Store what the fused chains of this phase leave alive (saved tensors, gradients)."""
+        for key in list(self._pending):
+            self._store(key)
+
+    def _in_registers(self, tensor: torch.Tensor) -> bool:
+        entry = self._pending.get(id(tensor))
+        return entry is not None and entry[0]() is tensor
+
+    def _hold(self, tensors, dtype: str) -> None:
+        for tensor in tensors:
+            key = id(tensor)
+            self._pending[key] = (weakref.ref(tensor, lambda _, key=key: self._pending.pop(key, None)),
+                                  nbytes(tensor), dtype)
+
+    def _store(self, key: int) -> None:
+        """The fused chain stores this intermediate after all: one compiled kernel's output, launched from
+        Inductor's wrapper (the engine's C++-level issue cost)."""
+        ref, size, dtype = self._pending.pop(key)
+        if ref() is not None:
+            self.ops[OpShape(self._phase, "memory", dtype, 0.0, float(size), 1, "engine")] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._overloadpacket not in flop_registry and func.namespace != "prim":
+            # Under inference_mode composite ops (linear, matmul) arrive whole; decompose them, as
+            # FlopCounterMode does, so their matmuls are seen and counted.
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
+        out = func(*args, **kwargs)
+        if func.is_view or func in _NO_KERNEL:
+            return out  # views and metadata ops alias their input: no kernel, no bytes moved
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        packet = func._overloadpacket
+        name = str(packet)
+        multi_tensor = name.startswith(("aten._foreach_", "aten._fused_"))  # one kernel per chunk of tensors
+        if func.namespace == "prim" or (not outputs and not multi_tensor):
+            return out  # metadata queries (device, sizes): no kernel; in-place foreach ops return None
+        flops = 0.0
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        # A wrapper subclass (torchao's fp8 training tensors, NF4 weights) is costed as the data it holds: its
+        # matmul runs in its inner dtype (fp8 via _scaled_mm, below this mode) and reads its inner bytes.
+        dtype = next((str(leaf.dtype).removeprefix("torch.") for t in inputs for leaf in leaves(t)
+                      if leaf.is_floating_point()), "other")
+        if packet is torch.ops.aten._int_mm:
+            # int8 x int8 -> int32 GEMM (ptq-int8): FlopCounterMode has no formula for it, and its
+            # operands are not floating point, so its dtype is named here.
+            (m, k), n = args[0].shape, args[1].shape[1]
+            flops, dtype = 2.0 * m * k * n, "int8"
+        elif name == "headroom.weight_only_linear":
+            # (x [..., in], packed integer weight [out, ...], scales, bits, group): a GEMM of x by the
+            # dequantised weight, in x's dtype; its bytes are the packed weight's, as the kernel reads them.
+            flops = 2.0 * args[0].numel() * args[1].shape[0]
+        elif packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+        elif "scaled_dot_product" in name and ("for_cpu" in name or func.namespace == "headroom"):
+            flops = _cpu_attention_flops(name, args)
+        fusing = self.fused and self.phase != "optimizer" and op_class(name) == "memory" and not multi_tensor
+        if fusing:
+            # Reads of the chain's intermediates are free; its outputs are held until someone needs them.
+            moved = sum(nbytes(t) for t in inputs if not self._in_registers(t))
+            self._hold(outputs, dtype)
+        else:
+            for t in inputs:  # a kernel outside the chain reads it: the chain must have stored it
+                if self._in_registers(t):
+                    self._store(id(t))
+            moved = sum(nbytes(t) for t in inputs + outputs)
+        kernels = foreach_kernels(args) if multi_tensor else 1
+        shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
+                        _aligned(name, args, dtype), fusing)
+        self.ops[shape] += 1
+        return out
+
+
+def compiled_optimizer_ops(optimizer: torch.optim.Optimizer) -> dict[OpShape, int]:
+    """torchao's low-bit AdamW step as it runs on a GPU: torch.compile fuses each parameter's update
+    (dequantise the moments, update, requantise, apply) into one kernel that reads the parameter, its
+    gradient and its quantised moments and writes the parameter and the moments back. The eager trace of
+    that step would count each of its dozens of elementwise ops as a kernel of its own."""
+    ops: dict[OpShape, int] = defaultdict(int)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            states = sum(nbytes(t) for t in optimizer.state[param].values() if isinstance(t, torch.Tensor))
+            moved = 2 * nbytes(param) + nbytes(param.grad) + 2 * states
+            ops[OpShape("optimizer", "memory", str(param.dtype).removeprefix("torch."), 0.0, float(moved))] += 1
+    return ops
+
+
+def _cpu_attention_flops(name: str, args) -> float:
+    """The CPU fused attention ops (and headroom's int8-KV attention) have no flop formula registered;
+    use the CUDA ones' formulas (same math) so a trace on the CPU device counts what the GPU's attention
+    kernel would do. Grouped-query keys and values count per query head (each is read by its group)."""
+    if "int8_kv" in name:  # (q, k, k_scale, v, v_scale, causal)
+        tensors = (args[0], args[1], args[3])
+    else:
+        tensors = args[:3] if "backward" not in name else args[1:4]
+    q, k, v = (tuple(t.shape) for t in tensors)
+    k, v = (shape[:1] + q[1:2] + shape[2:] for shape in (k, v))
+    if "backward" in name:
+        return sdpa_backward_flop_count(tuple(args[0].shape), q, k, v)
+    return sdpa_flop_count(q, k, v)
