@@ -1,6 +1,7 @@
 """Sessions: `nox` (lint + tests), `nox -s bench` (this machine), `nox -s bench-<family>` per GPU family,
 `gpu-check` (every GPU check, on a GPU machine),
-`tests_on-3.12` (the suite on another Python), `tests_older_torch` (on torch 2.6 and 2.11; not run by default).
+`tests_on-3.12` (the suite on another Python), `tests_older_torch` (on torch 2.6 and 2.11; not run by default),
+`readme-screenshot` (docs/report.png from the newest `nox -s bench` results, through headless Chromium).
 Sessions run on the oldest of Python 3.11-3.13 that is installed, and fail where none is.
 
 The bench-<family> sessions are generated from gpu_profiles/*.toml, so adding a profile with a new
@@ -101,6 +102,38 @@ def report(session: nox.Session) -> None:
     if not session.posargs:
         session.error("give results folders and --out FILE.html after --")
     session.run("headroom", "report", *session.posargs)
+
+
+def _newest_results() -> Path | None:
+    """The results/*/ folder whose results.csv or results.parquet was written last; None where there is none."""
+    written = {}
+    for path in [*(ROOT / "results").glob("*/results.csv"), *(ROOT / "results").glob("*/results.parquet")]:
+        written[path.parent] = max(written.get(path.parent, 0.0), path.stat().st_mtime)
+    return max(written, key=written.get) if written else None
+
+
+@nox.session(python=PYTHON, name="readme-screenshot", default=False)
+def readme_screenshot(session: nox.Session) -> None:
+    """The README's picture, docs/report.png: the report of a `nox -s bench` run as headless Chromium draws it
+    at 1600x2400 (reports/browser.py). `nox -s readme-screenshot -- results/RUN`; default: the newest results
+    folder. Needs chromium (Debian: apt-get install chromium) or $HEADROOM_CHROMIUM."""
+    if len(session.posargs) > 1:
+        session.error("give at most one results folder after --")
+    folder = Path(session.posargs[0]) if session.posargs else _newest_results()
+    if folder is None:
+        session.error("no results/*/ folder with results.csv or results.parquet: run `nox -s bench` first")
+    if not ((folder / "results.csv").is_file() or (folder / "results.parquet").is_file()):
+        session.error(f"{folder} has no results.csv or results.parquet: give a folder `nox -s bench` wrote")
+    # A folder is read through its results.parquet (with the serving matrix and timelines beside it); a folder
+    # with only results.csv is read through that file.
+    results = [str(folder)] if (folder / "results.parquet").is_file() else [str(folder / "results.csv")]
+    if not (folder / "results.parquet").is_file() and (folder / "serve_matrix.csv").is_file():
+        results += ["--serve-matrix", str(folder / "serve_matrix.csv")]
+    _install(session)
+    report = Path(session.create_tmp()) / "report.html"
+    session.run("headroom", "report", *results, "--out", str(report))
+    session.run("python", "-m", "reports.browser", "screenshot", str(report), str(ROOT / "docs" / "report.png"),
+                "--width", "1600", "--height", "2400")
 
 
 def _families() -> list[str]:

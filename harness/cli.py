@@ -204,14 +204,24 @@ def build_parser() -> argparse.ArgumentParser:
         project.add_argument(flag, type=_count, default=None, metavar="N", help=argparse.SUPPRESS)
     project.add_argument("--format", choices=("table", "json"), default="table")
 
-    from harness import cli_fragmentation, cli_serving  # commands of their own modules
+    from harness import cli_advise, cli_fragmentation, cli_serving  # commands of their own modules
 
     cli_serving.add_parser(sub)
+    cli_advise.add_parser(sub)
     cli_fragmentation.add_parser(sub)
 
-    report = sub.add_parser("report", help="merge results files into one HTML report")
+    report = sub.add_parser("report", help="merge results files into one HTML report (or a Markdown summary), or "
+                                           "compare two runs cell by cell (--compare OLD NEW)")
     report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
-    report.add_argument("--out", type=_folder, required=True, metavar="FILE.html")
+    report.add_argument("--out", type=_folder, required=True, metavar="FILE.html|FILE.md")
+    report.add_argument("--compare", action="store_true",
+                        help="give two results, OLD and NEW: which cells got better or worse beyond their noise")
+    report.add_argument("--format", choices=("html", "md"), default=None,
+                        help="html (the default) or md, a Markdown summary for pull requests (default: md for an "
+                             "--out ending in .md)")
+    report.add_argument("--prices", type=Path, default=None, metavar="FILE.csv",
+                        help="GPU prices to cost every row at instead of the profiles' (columns gpu, usd_per_hour, "
+                             "date, source; on-demand USD per GPU-hour unless a basis column says otherwise)")
     report.add_argument("--serve-matrix", type=_folder, action="append", metavar="FILE",
                         help="a serving fit matrix (headroom serve-matrix --out) to draw and judge C1 with; results "
                              "folders holding serve_matrix.csv add theirs")
@@ -505,6 +515,7 @@ COMMANDS = {"run": cmd_run, "project": cmd_project, "report": _command("cli_repo
             "serve-matrix": _command("cli_serving", "cmd_serve_matrix"),
             "fragmentation": _command("cli_fragmentation", "cmd_fragmentation"),
             "calibrate": _command("cli_speed", "cmd_calibrate"),
+            "advise": _command("cli_advise", "cmd_advise"),
             "profiles": cmd_profiles,
             "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env}
 

@@ -1,5 +1,7 @@
 """`headroom report`: merge results folders and files (with the serving matrices, fragmentation probes
-and memory timelines kept beside them) into one HTML report (reports/build.py renders it)."""
+and memory timelines kept beside them) into one HTML report (reports/build.py renders it) or a Markdown
+summary (reports/markdown.py); with `--compare OLD NEW`, which cells got better or worse beyond their
+noise (reports/compare.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,26 @@ def cmd_report(args) -> int:
     from harness.records import read_results
     from reports.build import write_report
 
+    markdown = (args.format or ("md" if args.out.suffix.lower() == ".md" else "html")) == "md"
+    if args.compare and len(args.results) != 2:
+        raise UsageError(f"--compare takes exactly two results, OLD and NEW (got {len(args.results)})")
+    if args.compare and args.serve_matrix:
+        raise UsageError("--serve-matrix draws a serving matrix in a report; --compare does not use it")
     out = args.out.resolve()
     for path in args.results:
         given = path.resolve()
         inputs = [given / "results.parquet", given / "results.csv", given / "cells"] if path.is_dir() else [given]
         if any(out == item or item in out.parents for item in inputs):
             raise UsageError(f"--out {args.out} would overwrite the results it reads ({path}); choose another file")
+    if args.compare:
+        return _compare(args, markdown)
     import pandas as pd
+
+    from harness.cli import _profiles
+    from harness.prices import price_table
+
+    profiles = _profiles(args)
+    prices = price_table(profiles, args.prices)  # a bad --prices file fails before any work
 
     from harness.serve_matrix import MATRIX_FILE, read_matrix
 
@@ -30,6 +45,13 @@ def cmd_report(args) -> int:
     merged = pd.concat(frames, ignore_index=True)
     unique = merged[~merged.astype(str).duplicated(keep="first")]
     repeated = len(merged) - len(unique)
+    counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
+    if markdown:
+        from reports.markdown import results_markdown, write_text
+
+        write_text(results_markdown(unique, profiles, prices), args.out)
+        print(f"wrote {printable(str(args.out))} (Markdown) from {len(unique)} rows{counted}")
+        return 0
     matrix = pd.concat(matrices, ignore_index=True).drop_duplicates(["size", "gpu", "weights"], keep="last") \
         if matrices else None
     from reports.accuracy import FILE as ACCURACY_FILE
@@ -37,9 +59,21 @@ def cmd_report(args) -> int:
     from reports.timelines import timeline_files
 
     probes, accuracy = _side_files(args.results, FRAGMENTATION_FILE), _side_files(args.results, ACCURACY_FILE)
-    write_report([unique], args.out, matrix, timeline_files(args.results), probes, accuracy=accuracy)
-    counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
+    write_report([unique], args.out, matrix, timeline_files(args.results), probes, accuracy=accuracy, prices=prices,
+                 profiles=profiles)
     print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
+    return 0
+
+
+def _compare(args, markdown: bool) -> int:
+    """`--compare OLD NEW`: every matched cell's figures judged against their noise (reports/compare.py)."""
+    from harness.records import read_results
+    from reports.compare import compare_results, counts_line, write_comparison
+
+    old_path, new_path = args.results
+    comparison = compare_results(read_results(old_path), read_results(new_path))
+    write_comparison(comparison, args.out, printable(str(old_path)), printable(str(new_path)), markdown=markdown)
+    print(f"wrote {printable(str(args.out))}{' (Markdown)' if markdown else ''}: {counts_line(comparison)}")
     return 0
 
 

@@ -24,6 +24,11 @@ DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")
 FEATURES = ("bf16", "tf32", "fp8", "sparse_2to4", "flash_attention")
 VENDORS = ("nvidia", "amd", "cpu")
 SAFE_ID = re.compile(r"[a-z0-9][a-z0-9._-]*")
+# Every price is on-demand USD per GPU-hour (pay as you go, no reservation or commitment; serverless
+# per-second billing counts): reserved blocks, spot and commitments are cheaper by 30-90%
+# (reference/gpu_specs.md, procurement note) and would reorder the cost rankings if mixed in.
+PRICE_BASIS = "on-demand"
+PRICE_DATE = re.compile(r"\d{4}(-\d{2}(-\d{2})?)?")
 
 
 class ProfileError(ValueError):
@@ -237,9 +242,14 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
         for name in ("date", "source"):
             if not isinstance(price.get(name), str) or not price[name].strip():
                 raise _fail(path, f"price.{name}", "a non-empty string (prices are dated and sourced)")
-        extra = set(price) - {"usd_per_hour", "date", "source"}
+        if not PRICE_DATE.fullmatch(price["date"]):
+            raise _fail(path, "price.date", f"a date YYYY, YYYY-MM or YYYY-MM-DD, got {price['date']!r}")
+        if price.get("basis") != PRICE_BASIS:
+            raise _fail(path, "price.basis", f"{PRICE_BASIS!r} (every profile is priced on one basis so costs "
+                                             "compare; keep other offers in the source)")
+        extra = set(price) - {"usd_per_hour", "date", "source", "basis"}
         if extra:
-            raise _fail(path, f"price.{sorted(extra)[0]}", "no such field; valid: usd_per_hour, date, source")
+            raise _fail(path, f"price.{sorted(extra)[0]}", "no such field; valid: usd_per_hour, date, source, basis")
 
     sources = data.get("sources", {})
     runtime_fields = data.get("measured_at_runtime", [])

@@ -26,8 +26,9 @@ DEFAULT_CONTEXTS = (4096, 32768)
 DEFAULT_GEN_LEN = 128
 RUN_ID = "serve-matrix"
 # What a first run on a CPU machine tabulates beside its cells (`headroom run` without --gpu): the sizes
-# C1 is about (13B, and the next one served, 70B) at a 4k context, in every weight precision.
-DAY_ONE_SIZES = ("gpt-13b", "gpt-70b")
+# C1 is about (13B, and the next one served, 70B) and the size most often served (7B, the report's
+# "which GPU serves a 7B model" answer) at a 4k context, in every weight precision.
+DAY_ONE_SIZES = ("gpt-7b", "gpt-13b", "gpt-70b")
 DAY_ONE_CONTEXTS = (4096,)
 
 

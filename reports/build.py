@@ -15,8 +15,6 @@ import pandas as pd
 
 from reports import format as fmt
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
-
 # Column -> (header, formatter) for the per-workload tables.
 TABLE_COLUMNS = [
     ("size", "size", fmt.text), ("mode", "mode", fmt.text), ("technique", "technique", fmt.text),
@@ -35,6 +33,7 @@ TABLE_COLUMNS = [
     ("step_time_cv", "CV", fmt.percent), ("noisy", "noisy", lambda v: fmt.flag(v, "NOISY")),
     ("throughput_samples_s", "samples/s", fmt.number), ("tokens_per_s", "tokens/s", lambda v: fmt.number(v, 0)),
     ("mfu", "MFU", fmt.percent), ("usd_per_million_samples", "USD / M samples", fmt.usd),
+    ("usd_per_million_tokens", "USD / M tokens", fmt.usd), ("price_label", "price (on-demand, date)", fmt.text),
     ("fits", "fits", lambda v: fmt.EMPTY if fmt.missing(v) else ("yes" if v else "NO")),
     ("peak_error_vs_measured", "peak err vs measured", fmt.percent),
     ("step_time_error_vs_measured", "step err vs measured", fmt.percent),
@@ -88,18 +87,63 @@ def _ranges(frame: pd.DataFrame) -> pd.DataFrame:
             strict=True)])
 
 
+def capacities_of(profiles: dict) -> dict[str, int]:
+    """GPU profile id -> the memory one device gives a process (CPU profiles are not GPUs to buy)."""
+    return {pid: profile.per_device().capacity_bytes for pid, profile in profiles.items()
+            if profile.vendor != "cpu" and profile.per_device().capacity_bytes}
+
+
+def price_rows(prices: dict, profiles: dict, frame: pd.DataFrame) -> list[dict]:
+    """Every GPU in the rows with the price costs are computed at, or why there is none."""
+    gpus = sorted(set(frame["gpu"].dropna()) & set(capacities_of(profiles))) if len(frame) else []
+    return [{"GPU": gpu, "USD per GPU-hour": fmt.usd(prices[gpu].usd_per_hour) if gpu in prices else fmt.EMPTY,
+             "date": prices[gpu].date if gpu in prices else fmt.EMPTY,
+             "basis": prices[gpu].basis if gpu in prices else fmt.EMPTY,
+             "source": prices[gpu].source if gpu in prices else
+             "no dated on-demand price known: costs stay empty (give one with --prices FILE)"} for gpu in gpus]
+
+
+def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_from: dict) -> dict:
+    """The sections that decide a purchase: the answer, fit matrices, memory and speed trade-offs, OOM
+    advice, prices and the guide's claims judged (reports/answer.py, tradeoffs.py, advice.py, claims.py)."""
+    from reports.advice import oom_advice
+    from reports.answer import answers, cost_charts
+    from reports.claims import judge_claims
+    from reports.tradeoffs import fit_matrices, memory_sections
+
+    capacities = capacities_of(profiles)
+    return {
+        "answers": answers(frame, capacities), "cost_charts": cost_charts(frame, capacities),
+        "fit_matrices": fit_matrices(frame, capacities), "memory": memory_sections(frame, capacities),
+        "advice": oom_advice(frame, capacities), "prices": price_rows(prices, profiles, frame),
+        "claims": judge_claims(frame, capacities, **claims_from),
+    }
+
+
 def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timelines: list[Path] = (),
-                  fragmentation: pd.DataFrame | None = None, accuracy: pd.DataFrame | None = None) -> dict:
+                  fragmentation: pd.DataFrame | None = None, accuracy: pd.DataFrame | None = None,
+                  prices: dict | None = None, profiles: dict | None = None) -> dict:
     """Everything the template shows, already formatted; `matrix` is a serving fit matrix
     (harness/serve_matrix.py) to draw and judge the guide's C1 with; `timelines` are kept memory
-    timelines (--memory-timeline) to draw; `accuracy` is accuracy.csv's rows (harness/accuracy)."""
+    timelines (--memory-timeline) to draw; `accuracy` is accuracy.csv's rows (harness/accuracy);
+    `prices` (harness/prices.py) cost every row again, the profiles' own by default."""
+    from harness.prices import cost_rows, price_table
+    from harness.profiles import load_profiles
     from harness.serve_matrix import judge_matrix
     from reports.accuracy import accuracy_section
+    from reports.answer import serving_answers
     from reports.fragmentation import fragmentation_section
     from reports.serving import generation_rows, matrix_section
     from reports.timelines import timeline_charts
 
-    frame = _ranges(frame)
+    profiles = load_profiles() if profiles is None else profiles
+    prices = price_table(profiles) if prices is None else prices
+    frame = _ranges(cost_rows(frame, prices) if len(frame) else frame.assign(price_label=None))
+    quality = accuracy_section(accuracy)
+    serving = matrix_section(matrix, judge_matrix(matrix)) if matrix is not None else None
+    probe = fragmentation_section(fragmentation)
+    claims_from = {"c1": serving["c1"] if serving else None, "c4": probe["c4"] if probe else None,
+                   "c6": quality["c6"] if quality else None, "c9": quality["c9"] if quality else None}
     workloads = []
     for name, group in frame.groupby("workload", sort=False):
         group = group.sort_values(["size", "mode", "technique", "gpu", "source"], kind="stable")
@@ -131,33 +175,55 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
         "accuracy": projection_accuracy(frame) if len(frame) else [],
         "environments": environments,
         "generation": generation_rows(frame) if len(frame) else None,
-        "serve_matrix": matrix_section(matrix, judge_matrix(matrix)) if matrix is not None else None,
-        "timelines": [dict(chart, peak=fmt.bytes_(chart["peak"])) for chart in timeline_charts(list(timelines))],
-        "fragmentation": fragmentation_section(fragmentation),
-        "quality": accuracy_section(accuracy),
+        "serve_matrix": serving,
+        "timelines": [dict(chart, name=f"timeline-{index}", title=f"{chart['cell']} (peak {fmt.bytes_(chart['peak'])})")
+                      for index, chart in enumerate(timeline_charts(list(timelines)))],
+        "fragmentation": probe,
+        "quality": quality,
+        "intervals": interval_summary(frame) if len(frame) else [],
+        "serving_answers": serving_answers(matrix, prices),
+        **decision_sections(frame, profiles, prices, claims_from),
     }
 
 
+def interval_summary(frame: pd.DataFrame) -> list[dict]:
+    """How wide the ledger's step-time intervals are, per precision of the projected rows: the median
+    low and high end relative to the projected figure (harness/ledger.py derives them from twins)."""
+    rows = frame[(frame["source"] == "projected") & (frame["status"] == "ok")]
+    if "step_time_ms_low" not in rows:
+        return []
+    p50 = pd.to_numeric(rows["step_time_ms_p50"], errors="coerce").astype(float)
+    rows = rows.assign(low=pd.to_numeric(rows["step_time_ms_low"], errors="coerce").astype(float) / p50 - 1,
+                       high=pd.to_numeric(rows["step_time_ms_high"], errors="coerce").astype(float) / p50 - 1)
+    rows = rows.dropna(subset=["low", "high"])
+    return [{"precision": fmt.text(precision), "projected rows": str(len(group)),
+             "median interval": f"{fmt.percent(group['low'].median())} to +{fmt.percent(group['high'].median())}"}
+            for precision, group in rows.groupby("precision", sort=True)]
+
+
 def environment_for_templates() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
+    # PackageLoader finds the templates inside an installed wheel as well as in a checkout.
+    return jinja2.Environment(loader=jinja2.PackageLoader("reports", "templates"), autoescape=True,
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
 
 def render(frames: list[pd.DataFrame], matrix: pd.DataFrame | None = None, timelines: list[Path] = (),
-           fragmentation: pd.DataFrame | None = None, accuracy: pd.DataFrame | None = None) -> str:
-    context = build_context(merge(frames), matrix, timelines, fragmentation, accuracy)
+           fragmentation: pd.DataFrame | None = None, accuracy: pd.DataFrame | None = None,
+           prices: dict | None = None, profiles: dict | None = None) -> str:
+    context = build_context(merge(frames), matrix, timelines, fragmentation, accuracy, prices, profiles)
     return environment_for_templates().get_template("report.html.j2").render(**context)
 
 
 def write_report(frames: list[pd.DataFrame], out: Path, matrix: pd.DataFrame | None = None,
                  timelines: list[Path] = (), fragmentation: pd.DataFrame | None = None,
-                 accuracy: pd.DataFrame | None = None) -> Path:
+                 accuracy: pd.DataFrame | None = None, prices: dict | None = None,
+                 profiles: dict | None = None) -> Path:
     """Render and write atomically; the folder must exist or be creatable."""
     from harness.records import atomic_write_text
 
     out = Path(out)
     try:
-        atomic_write_text(out, render(frames, matrix, timelines, fragmentation, accuracy))
+        atomic_write_text(out, render(frames, matrix, timelines, fragmentation, accuracy, prices, profiles))
     except OSError as exc:
         raise ValueError(f"cannot write report {out} ({exc.strerror}); choose another --out") from None
     return out

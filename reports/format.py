@@ -39,10 +39,21 @@ def percent(value) -> str:
     return f"{100 * float(value):.1f}%"
 
 
-def usd(value) -> str:
+def signed_percent(value) -> str:
+    """A relative change with its sign always shown: "+30.0%", "-2.5%"."""
     if missing(value):
         return EMPTY
-    return f"${float(value):,.2f}"
+    return f"{100 * float(value):+.1f}%"
+
+
+def usd(value) -> str:
+    """Dollars to the cent; below ten cents to two significant digits, so a cheap cost still ranks."""
+    if missing(value):
+        return EMPTY
+    value = float(value)
+    if 0 < abs(value) < 0.1:
+        return f"${value:.2g}" if abs(value) >= 1e-4 else "< $0.0001"
+    return f"${value:,.2f}"
 
 
 def text(value) -> str:

@@ -4,8 +4,6 @@ the serving fit matrix (harness/serve_matrix.py) as a table and a chart, with th
 
 from __future__ import annotations
 
-import io
-
 import pandas as pd
 
 from reports import format as fmt
@@ -59,7 +57,9 @@ def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
     rows = [{"cells": [f(row[c]) if c in row else fmt.EMPTY for c, _, f in columns], "status": "ok",
              "reason": fmt.text(row["notes"]) if "notes" in row and not fmt.missing(row["notes"]) else ""}
             for _, row in matrix.iterrows()]
-    return {"headers": [h for _, h, _ in columns], "rows": rows, "chart": fit_chart(matrix, batches[0]),
+    figure = {"name": "serve-matrix", "svg": fit_chart(matrix, batches[0]),
+              "title": f"Largest batch per GPU at {batches[0].removeprefix('max_batch_')} tokens (projected)"}
+    return {"headers": [h for _, h, _ in columns], "rows": rows, "figure": figure,
             "c1": c1_verdict, "context": batches[0].removeprefix("max_batch_")}
 
 
@@ -72,10 +72,7 @@ def _batch(value) -> str:
 def fit_chart(matrix: pd.DataFrame, column: str) -> str:
     """Size x GPU heat maps of the largest batch at one context, one panel per weight precision, as inline
     SVG (matplotlib's SVG backend escapes the text it draws)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from reports.charts import plt, svg_of
 
     weights = list(dict.fromkeys(matrix["weights"]))
     sizes, gpus = list(dict.fromkeys(matrix["size"])), list(dict.fromkeys(matrix["gpu"]))
@@ -96,8 +93,4 @@ def fit_chart(matrix: pd.DataFrame, column: str) -> str:
         axis.set_title(f"{weight} weights: largest batch at {column.removeprefix('max_batch_')} tokens (projected)",
                        fontsize=9)
     figure.tight_layout()
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg")
-    plt.close(figure)
-    svg = buffer.getvalue()
-    return svg[svg.index("<svg"):]  # drop the XML prolog and doctype: the SVG sits inside HTML
+    return svg_of(figure)

@@ -5,7 +5,6 @@ stacked area chart, inline SVG.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from harness.measure.artifacts import TIMELINES, read_timeline
@@ -33,10 +32,7 @@ def timeline_charts(paths: list[Path]) -> list[dict]:
 
 
 def _chart(seconds: list[float], by_category: dict[str, list[int]]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from reports.charts import plt, svg_of
 
     shown = {name: [v / 2**20 for v in values] for name, values in by_category.items() if any(values)}
     figure, axis = plt.subplots(figsize=(7.0, 2.6))
@@ -46,10 +42,6 @@ def _chart(seconds: list[float], by_category: dict[str, list[int]]) -> str:
     axis.tick_params(labelsize=7)
     axis.legend(fontsize=7, loc="upper left", frameon=False, ncol=min(3, len(shown)))
     figure.tight_layout()
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg")
-    plt.close(figure)
-    svg = buffer.getvalue()
-    return svg[svg.index("<svg"):]
+    return svg_of(figure)
 
 

@@ -34,7 +34,7 @@ def test_run_writes_frame_csv_and_report(small_run):
     # No price and no peak FLOP/s are known for a host CPU: MFU and cost stay empty, not 0.
     assert ok["mfu"].isna().all() and ok["usd_per_million_samples"].isna().all()
     html = (out / "report.html").read_text()
-    assert "<h2>gpt</h2>" in html and "checkpointing" in html
+    assert '<h3 class="inline">gpt</h3>' in html and "checkpointing" in html
 
 
 def test_projected_twins_carry_their_error_against_the_measurement(small_run):
@@ -70,7 +70,7 @@ def test_report_merges_results(small_run, tmp_path, capsys):
     _, out = small_run
     target = tmp_path / "merged.html"
     assert main(["report", str(out), str(out / "results.csv"), "--out", str(target)]) == 0
-    assert target.read_text().count("<h2>gpt</h2>") == 1
+    assert target.read_text().count('<h3 class="inline">gpt</h3>') == 1
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -1,0 +1,152 @@
+"""OOM advice: when a cell does not fit, the stacks that make it fit, ranked by the step time they
+cost; when it fits, the largest batch and the cheaper GPUs on which it still fits.
+
+Memory left is the device's visible memory less the peak the caching allocator reserves and what
+lives outside it (the CUDA context), the same test the projection's `fits` applies. The report ranks
+stacks found in its rows the same way (`rank_fixes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pandas as pd
+
+GIB = 2**30
+
+# Stacks tried for a cell that does not fit, cheapest in engineering first. Full fine-tuning keeps the
+# model and its training; the adapter stacks train less of it, and the advice says so.
+TRAIN_STACKS = ("amp-bf16", "amp-fp16", "checkpointing", "amp-bf16+checkpointing",
+                "amp-bf16+selective-checkpointing", "amp-bf16+grad-accumulation", "amp-bf16+optim-8bit",
+                "amp-bf16+checkpointing+optim-8bit", "amp-bf16+checkpointing+optim-4bit",
+                "amp-bf16+checkpointing+optim-offload", "lora+amp-bf16+checkpointing", "qlora+checkpointing")
+INFER_STACKS = ("bf16-weights", "fp16-weights", "bf16-weights+kv-int8", "bf16-weights+group-quant",
+                "bf16-weights+group-quant-int4", "bf16-weights+group-quant-int4+kv-int8")
+CHANGES_TRAINING = {"lora": "trains adapters only", "qlora": "trains adapters on 4-bit frozen weights",
+                    "grad-accumulation": "same global batch in 4 micro-batches"}
+
+
+def memory_left(reserved, overhead, capacity, allocated=None, fits=None) -> float | None:
+    """Bytes left on the device at the cell's peak (negative: short by), None where unknown. A cell the
+    projection says fits although its reserved peak does not (the caching allocator frees its cache and
+    retries: harness/project/memory.py) has what its live bytes leave."""
+    values = [pd.to_numeric(v, errors="coerce") for v in (reserved, overhead, capacity, allocated)]
+    if pd.isna(values[0]) or pd.isna(values[2]):
+        return None
+    room = float(values[2]) - (0.0 if pd.isna(values[1]) else float(values[1]))
+    left = room - float(values[0])
+    if left < 0 and fits is True and not pd.isna(values[3]):
+        return room - float(values[3])
+    return left
+
+
+def gib(value: float, signed: bool = False) -> str:
+    return f"{value / GIB:{'+' if signed else ''},.1f} GiB"
+
+
+def fix_line(stack: str, target: dict, fix: dict, reference: float | None = None) -> str:
+    """`amp-bf16+checkpointing: -41.0 GiB, +28% step time, fits with 6.0 GiB left`."""
+    parts = [stack + ":"]
+    if target.get("reserved") is not None and fix.get("reserved") is not None:
+        parts.append(gib(fix["reserved"] - target["reserved"], signed=True) + ",")
+    if target.get("step_ms") and fix.get("step_ms"):
+        parts.append(f"{fix['step_ms'] / target['step_ms'] - 1:+.0%} step time,")
+    elif fix.get("step_ms") and reference:
+        # A cell that does not fit has no step time of its own: compare with the fastest fix instead.
+        parts.append(f"{fix['step_ms']:,.0f} ms per step ({fix['step_ms'] / reference - 1:+.0%} vs the fastest),")
+    elif fix.get("step_ms"):
+        parts.append(f"{fix['step_ms']:,.0f} ms per step,")
+    parts.append(f"fits with {gib(fix['left'])} left")
+    notes = [note for name, note in CHANGES_TRAINING.items() if name in stack.split("+")]
+    return " ".join(parts) + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def rank_fixes(target: dict, fixes: list[dict]) -> list[str]:
+    """The fixes that fit, fastest first (memory left breaks ties), as advice lines. Each dict: stack,
+    reserved, step_ms, left."""
+    fitting = [fix for fix in fixes if fix.get("left") is not None and fix["left"] >= 0]
+    fitting.sort(key=lambda f: (f["step_ms"] if f.get("step_ms") else float("inf"), -f["left"]))
+    reference = fitting[0].get("step_ms") if fitting else None
+    return [fix_line(fix["stack"], target, fix, reference) for fix in fitting]
+
+
+def _summary(record, capacity) -> dict:
+    return {"stack": record.technique, "reserved": record.peak_reserved_bytes, "step_ms": record.step_time_ms_p50,
+            "left": memory_left(record.peak_reserved_bytes, record.device_overhead_bytes, capacity,
+                                record.peak_allocated_bytes, record.fits),
+            "status": record.status, "reason": record.reason, "batch": record.batch_size,
+            "usd": record.usd_per_million_samples}
+
+
+@dataclasses.dataclass
+class Advice:
+    gpu: str
+    target: dict
+    lines: list[str]  # what to do, best first
+    headline: str
+
+
+def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) -> Advice:
+    """Project `request` (harness/project/query.py ProjectRequest, one GPU) and the advice for it."""
+    from harness.profiles import resolve_gpus
+    from harness.project.query import projected_rows
+
+    chosen = resolve_gpus([request.gpu], profiles)
+    if len(chosen) != 1:
+        raise ValueError(f"advise answers for one GPU; {request.gpu!r} names {len(chosen)}: "
+                         + ", ".join(p.id for p in chosen))
+    profile = chosen[0]
+    capacity = profile.per_device().capacity_bytes
+    request = dataclasses.replace(request, gpu=profile.id)
+
+    def project(**changes):
+        progress(f"projecting {changes.get('technique', request.technique)} on {changes.get('gpu', profile.id)}")
+        return projected_rows(dataclasses.replace(request, **changes), profiles)[0]
+
+    record = project()
+    if record.status not in ("ok", "oom"):
+        raise ValueError(f"{request.technique} on {profile.id}: {record.status}: {record.reason}")
+    target = _summary(record, capacity)
+    if record.status == "oom" or (target["left"] is not None and target["left"] < 0):
+        stacks = [s for s in (TRAIN_STACKS if request.mode == "train" else INFER_STACKS) if s != request.technique]
+        fixes = [_summary(project(technique=stack), capacity) for stack in stacks]
+        lines = rank_fixes(target, [f for f in fixes if f["status"] == "ok"])
+        short = gib(-target["left"]) if target["left"] is not None else "unknown"
+        headline = (f"{request.technique} does not fit on {profile.id}: short by {short}; "
+                    + (f"{len(lines)} of {len(stacks)} stacks tried make it fit" if lines else
+                       f"none of the {len(stacks)} stacks tried makes it fit: a larger GPU or several "
+                       "(headroom project --min-gpus) is needed"))
+        return Advice(profile.id, target, lines, headline)
+    return Advice(profile.id, target, _when_it_fits(request, record, profile, profiles, project, capacity),
+                  f"{request.technique} fits on {profile.id} with {gib(target['left'])} left "
+                  f"({record.step_time_ms_p50:,.0f} ms per step)" if record.step_time_ms_p50 else
+                  f"{request.technique} fits on {profile.id} with {gib(target['left'])} left")
+
+
+def _when_it_fits(request, record, profile, profiles, project, capacity) -> list[str]:
+    """What a fitting cell could do instead: the largest batch here, and cheaper GPUs that still hold it."""
+    lines = []
+    if not request.max_batch:
+        largest = project(max_batch=True, batch_size=None)
+        if largest.status == "ok" and largest.batch_size and largest.batch_size > record.batch_size:
+            lines.append(f"a larger batch fits: up to {largest.batch_size} (now {record.batch_size}), "
+                         f"{largest.throughput_samples_s or 0:,.1f} samples/s")
+    price = profile.per_device().usd_per_hour
+    needed = (record.peak_reserved_bytes or 0) + (record.device_overhead_bytes or 0)
+    cheaper = sorted((p for p in profiles.values() if p.id != profile.id and p.vendor != "cpu"
+                      and p.usd_per_hour and (price is None or p.per_device().usd_per_hour < price)
+                      and (p.per_device().capacity_bytes or 0) >= needed * 0.95),
+                     key=lambda p: p.per_device().usd_per_hour)
+    for other in cheaper:
+        result = project(gpu=other.id)
+        left = memory_left(result.peak_reserved_bytes, result.device_overhead_bytes,
+                           other.per_device().capacity_bytes, result.peak_allocated_bytes, result.fits)
+        if result.status == "ok" and left is not None and left >= 0:
+            cost = f", ${result.usd_per_million_samples:,.2f} per million samples" \
+                if result.usd_per_million_samples else ""
+            lines.append(f"a cheaper GPU holds it: {other.id} (${other.per_device().usd_per_hour:,.2f}/h, "
+                         f"{other.price_date}) with {gib(left)} left, {result.step_time_ms_p50:,.0f} ms per step{cost}")
+    if not lines:
+        lines.append(f"no larger batch and no cheaper GPU profile with a price holds {request.technique}")
+    return lines

@@ -1,0 +1,32 @@
+"""`headroom advise`: what to do when a cell does not fit on a GPU (the stacks that make it fit, ranked
+by the step time they cost), and when it fits (a larger batch, a cheaper GPU); harness/advise.py decides."""
+
+from __future__ import annotations
+
+import sys
+
+from harness.cli import _count, _profiles, printable
+
+
+def add_parser(sub) -> None:
+    advise = sub.add_parser("advise", help="the stacks that make a cell fit a GPU, ranked by step time (projected)")
+    advise.add_argument("--workload", default="gpt", help="workload id (default: gpt)")
+    advise.add_argument("--size", default=None, help="size id (default: the workload's canonical size)")
+    advise.add_argument("--gpu", required=True, help="one GPU profile id")
+    advise.add_argument("--mode", default="train", choices=("train", "infer"))
+    advise.add_argument("--technique", default="baseline", metavar="STACK", help="the stack you run now")
+    advise.add_argument("--batch-size", type=_count, default=None)
+
+
+def cmd_advise(args) -> int:
+    from harness.advise import advise
+    from harness.project.query import ProjectRequest
+
+    request = ProjectRequest(gpu=args.gpu, workload=args.workload, technique=args.technique, mode=args.mode,
+                             size=args.size, batch_size=args.batch_size)
+    # Each stack is a projection of a few seconds: say which one runs, on stderr so stdout stays the answer.
+    answer = advise(request, _profiles(args), progress=lambda text: print(f"  {text} ...", file=sys.stderr))
+    print(printable(answer.headline))
+    for line in answer.lines:
+        print(printable(f"  {line}"))
+    return 0

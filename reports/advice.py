@@ -1,0 +1,46 @@
+"""OOM advice in the report: for every cell that does not fit, the stacks among the report's own rows
+that fit the same model on the same GPU, ranked by step time (harness/advise.py ranks and words them,
+as `headroom advise` does for a cell it projects)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.advise import memory_left, rank_fixes
+
+CELL = ["workload", "size", "mode", "gpu"]
+
+
+def _summary(row, capacity) -> dict:
+    number = lambda name: None if pd.isna(pd.to_numeric(row.get(name), errors="coerce")) \
+        else float(pd.to_numeric(row.get(name), errors="coerce"))  # noqa: E731
+    return {"stack": str(row["technique"]), "reserved": number("peak_reserved_bytes"),
+            "step_ms": number("step_time_ms_p50"),
+            "left": memory_left(row.get("peak_reserved_bytes"), row.get("device_overhead_bytes"), capacity,
+                                row.get("peak_allocated_bytes"), _fits(row))}
+
+
+def _fits(row) -> bool | None:
+    value = row.get("fits")
+    return None if value is None or pd.isna(value) else bool(value)
+
+
+def oom_advice(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
+    """One entry per OOM cell on a GPU profile: the cell, how short it is, and the ranked fixes found."""
+    if not len(frame):
+        return []
+    rows = frame[frame["gpu"].isin(capacities)]
+    if "rank" in rows:
+        rows = rows[rows["rank"].isna()]
+    entries = []
+    for key, group in rows.groupby(CELL, sort=False):
+        fitting = group[group["status"] == "ok"]
+        for _, oom in group[group["status"] == "oom"].iterrows():
+            capacity = capacities[oom["gpu"]]
+            target = _summary(oom, capacity)
+            same_batch = fitting[fitting["batch_size"] == oom["batch_size"]] if "batch_size" in fitting else fitting
+            lines = rank_fixes(target, [_summary(row, capacity) for _, row in same_batch.iterrows()])
+            entries.append({"cell": " ".join(str(k) for k in key) + f" / {oom['technique']}",
+                            "short": "unknown" if target["left"] is None else f"{-target['left'] / 2**30:,.1f} GiB",
+                            "fixes": lines[:3], "more": max(0, len(lines) - 3)})
+    return entries

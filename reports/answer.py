@@ -1,0 +1,184 @@
+"""The report's answer: for each workload, model size and mode, the GPU + stack to rent or buy.
+
+Three picks among the cells that fit: the cheapest GPU-hour (the smallest outlay that runs it at all),
+the fastest (samples/s) and the best value (fewest USD per million samples). A projected pick carries
+its interval from the ledger (harness/ledger.py), a measured one its run-to-run noise, so two picks
+whose ranges overlap read as a tie rather than a verdict.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.advise import memory_left
+from harness.prices import tokens_per_sample
+from reports import format as fmt
+
+IDENTITY = ["workload", "size", "mode"]
+CELL = ["gpu", "technique", "batch_size", "world_size"]
+
+
+def candidates(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
+    """Cells on a GPU profile (not the CPU) that ran or would run (`ok`, not projected to OOM) with a
+    throughput, measured cells replacing their projected twins, with memory left and throughput bounds."""
+    if not len(frame):
+        return frame
+    rows = frame[frame["gpu"].isin(capacities) & (frame["status"] == "ok")]
+    if "rank" in rows:
+        rows = rows[rows["rank"].isna()]  # a parallel cell's own row (the maximum over its ranks)
+    rows = rows[pd.to_numeric(rows["throughput_samples_s"], errors="coerce").fillna(0) > 0]
+    rows = rows[~rows["fits"].eq(False).fillna(False)] if "fits" in rows else rows
+    keys = rows[IDENTITY + CELL].astype(str).agg("|".join, axis=1)
+    measured = set(keys[rows["source"] == "measured"])
+    rows = rows[(rows["source"] == "measured") | ~keys.isin(measured)].copy()
+    throughput = pd.to_numeric(rows["throughput_samples_s"], errors="coerce").astype(float)
+    p50 = pd.to_numeric(rows["step_time_ms_p50"], errors="coerce").astype(float)
+    low = pd.to_numeric(rows.get("step_time_ms_low"), errors="coerce").astype(float)
+    high = pd.to_numeric(rows.get("step_time_ms_high"), errors="coerce").astype(float)
+    cv = pd.to_numeric(rows.get("step_time_cv"), errors="coerce").astype(float)
+    measured_rows = rows["source"] == "measured"
+    # Samples per step are fixed, so throughput scales with 1 / step time: the slow end of the step
+    # interval is the low end of the throughput's.
+    rows["throughput_low"] = (throughput * p50 / high).where(~measured_rows, throughput * (1 - cv))
+    rows["throughput_high"] = (throughput * p50 / low).where(~measured_rows, throughput * (1 + cv))
+    rows["memory_left_bytes"] = [
+        memory_left(row.get("peak_reserved_bytes"), row.get("device_overhead_bytes"), capacities[row["gpu"]],
+                    row.get("peak_allocated_bytes"), None if pd.isna(row.get("fits")) else bool(row.get("fits")))
+        for _, row in rows.iterrows()]
+    rows["devices"] = pd.to_numeric(rows["world_size"], errors="coerce").fillna(1).astype(float)
+    return rows
+
+
+def _pick(rows: pd.DataFrame, by: str, ascending: bool):
+    ranked = rows.dropna(subset=[by]).sort_values([by, "throughput_samples_s"], ascending=[ascending, False],
+                                                 kind="stable")
+    return None if ranked.empty else ranked.iloc[0]
+
+
+def describe(row, language: bool) -> dict:
+    """One pick as the report shows it: what to run, how fast, at what cost, with its range."""
+    throughput = float(row["throughput_samples_s"])
+    low, high = row["throughput_low"], row["throughput_high"]
+    ranged = not fmt.missing(low) and not fmt.missing(high)
+    usd = row["usd_per_million_samples"]
+    per_token = row.get("usd_per_million_tokens")
+    cost = fmt.usd(per_token) + " / M tokens" if language and not fmt.missing(per_token) else \
+        fmt.usd(usd) + " / M samples"
+    if ranged and not fmt.missing(usd):
+        worst, best = float(usd) * throughput / float(low), float(usd) * throughput / float(high)
+        scale = float(per_token) / float(usd) if language and not fmt.missing(per_token) else 1.0
+        cost += f" ({fmt.usd(best * scale)} - {fmt.usd(worst * scale)})"
+    devices = int(row["devices"])
+    gpus = f"{devices} x {row['gpu']}" if devices > 1 else str(row["gpu"])
+    # Language models read in tokens/s (generated tokens for a served decoder), the rest in samples/s.
+    tokens = tokens_per_sample(row) if language else None
+    scale, unit = (tokens, "tokens/s") if tokens else (1.0, "samples/s")
+    speed = f"{fmt.number(throughput * scale, 1)} {unit}"
+    if ranged:
+        speed += f" ({fmt.number(float(low) * scale, 1)} - {fmt.number(float(high) * scale, 1)}, " + \
+            ("run-to-run noise" if row["source"] == "measured" else "projection interval") + ")"
+    return {
+        "gpu": gpus, "stack": str(row["technique"]), "source": str(row["source"]),
+        "batch": fmt.text(row["batch_size"]), "speed": speed,
+        "cost": cost if not fmt.missing(usd) else "no price known",
+        "price": str(row.get("price_label")) if not fmt.missing(usd) else "",
+        "left": fmt.bytes_(row["memory_left_bytes"]),
+    }
+
+
+def answers(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
+    """Per workload, size and mode: the cheapest, fastest and best-value picks (None where no cell fits)."""
+    rows = candidates(frame, capacities)
+    result = []
+    if not len(frame):
+        return result
+    for (workload, size, mode), group in frame.groupby(IDENTITY, sort=False):
+        if not set(group["gpu"]) & set(capacities):
+            continue  # only CPU cells: nothing to buy from them
+        fitting = rows[(rows["workload"] == workload) & (rows["size"] == size) & (rows["mode"] == mode)]
+        language = fitting["usd_per_million_tokens"].notna().any() if len(fitting) else False
+        priced = fitting.assign(hourly=fitting["usd_per_hour"] * fitting["devices"]) if len(fitting) else fitting
+        picks = {
+            "cheapest": _pick(priced, "hourly", True) if len(priced) else None,
+            "fastest": _pick(fitting, "throughput_samples_s", False) if len(fitting) else None,
+            "value": _pick(fitting, "usd_per_million_samples", True) if len(fitting) else None,
+        }
+        tried = group[group["gpu"].isin(capacities)]
+        result.append({
+            "workload": str(workload), "size": str(size), "mode": str(mode),
+            "picks": {name: describe(row, language) if row is not None else None for name, row in picks.items()},
+            "fitting": len(fitting), "tried": len(tried),
+        })
+    return result
+
+
+def cost_charts(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
+    """Per workload and mode: USD per million samples (tokens for language models) of the cheapest stack on
+    each GPU, for every size, as a chart (see reports/charts.py: cost_dots)."""
+    from reports.charts import cost_dots
+
+    rows = candidates(frame, capacities)
+    charts = []
+    if not len(rows):
+        return charts
+    rows = rows.dropna(subset=["usd_per_million_samples"])
+    for (workload, mode), group in rows.groupby(["workload", "mode"], sort=False):
+        language = group["usd_per_million_tokens"].notna().all()
+        column = "usd_per_million_tokens" if language else "usd_per_million_samples"
+        best = group.sort_values(column, kind="stable").groupby(["size", "gpu"], sort=False).head(1)
+        points = []
+        for _, row in best.iterrows():
+            cost, throughput = float(row[column]), float(row["throughput_samples_s"])
+            low, high = row["throughput_low"], row["throughput_high"]
+            ranged = not fmt.missing(low) and not fmt.missing(high) and float(low) > 0
+            points.append({"gpu": str(row["gpu"]), "size": str(row["size"]), "cost": cost,
+                           "low": cost * throughput / float(high) if ranged else None,
+                           "high": cost * throughput / float(low) if ranged else None,
+                           "measured": row["source"] == "measured"})
+        unit = "tokens" if language else "samples"
+        title = f"{workload} {mode}: USD per million {unit} on each GPU"
+        charts.append({"name": f"cost-{workload}-{mode}", "title": title,
+                       "svg": cost_dots(points, title, unit)})
+    return charts
+
+
+def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
+    """Per served size (harness/serve_matrix.py: compiled decode at its first context): the best value
+    (fewest USD per million generated tokens at the largest batch that fits), the fastest single-stream
+    decode, and the cheapest GPU-hour that holds the model, each with its weights' precision. The
+    matrix's costs are taken again at `prices` (its rows say which hourly price they were costed at)."""
+    if matrix is None or matrix.empty:
+        return []
+    batch = next((c for c in matrix.columns if c.startswith("max_batch_")), None)
+    rows = matrix[pd.to_numeric(matrix[batch], errors="coerce").fillna(0) >= 1].copy() if batch else matrix[:0]
+    for column in ("usd_per_hour", "usd_per_million_tokens_max", "decode_tokens_s_b1", "decode_tokens_s_max"):
+        if column not in rows:  # an older or hand-made matrix: that figure is unknown
+            rows[column] = float("nan")
+    old = pd.to_numeric(rows["usd_per_hour"], errors="coerce").astype(float)
+    new = rows["gpu"].map(lambda g: prices[g].usd_per_hour if g in prices else float("nan")).astype(float)
+    rows["usd"] = pd.to_numeric(rows["usd_per_million_tokens_max"], errors="coerce").astype(float) * new / old
+    rows["hourly"] = new
+    rows["price"] = rows["gpu"].map(lambda g: prices[g].label if g in prices else "")
+    context = batch.removeprefix("max_batch_") if batch else ""
+    result = []
+    for size in dict.fromkeys(matrix["size"]):
+        fitting = rows[rows["size"] == size]
+
+        def entry(row, what: str) -> dict | None:
+            if row is None:
+                return None
+            return {"gpu": str(row["gpu"]), "weights": str(row["weights"]), "what": what,
+                    "cost": f"{fmt.usd(row['usd'])} / M tokens" if not fmt.missing(row["usd"]) else "no price known",
+                    "price": row["price"]}
+
+        value = _pick(fitting.assign(throughput_samples_s=fitting["decode_tokens_s_max"]), "usd", True)
+        fastest = _pick(fitting.assign(throughput_samples_s=0.0), "decode_tokens_s_b1", False) \
+            if len(fitting) else None
+        cheapest = _pick(fitting.assign(throughput_samples_s=fitting["decode_tokens_s_max"]), "hourly", True)
+        result.append({"size": str(size), "context": context, "picks": {
+            "cheapest": entry(cheapest, f"largest batch {int(cheapest[batch])}" if cheapest is not None else ""),
+            "fastest": entry(fastest, f"{fmt.number(fastest['decode_tokens_s_b1'], 0)} tokens/s for one stream"
+                             if fastest is not None else ""),
+            "value": entry(value, f"{fmt.number(value['decode_tokens_s_max'], 0)} tokens/s at batch "
+                           f"{int(value[batch])}" if value is not None else "")}})
+    return result

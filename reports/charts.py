@@ -1,0 +1,114 @@
+"""The report's charts, drawn with matplotlib and embedded as inline SVG (no network at view time;
+matplotlib's SVG backend escapes every text it draws, so a name from a results file stays text).
+
+Each function takes plain, already-chosen data and returns an `<svg>` string; what to show is decided
+by the section modules (reports/answer.py, fit.py, memory.py).
+"""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+import matplotlib.ticker
+
+matplotlib.use("Agg")  # no display: the figures only ever become SVG text
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+GIB = 2**30
+# One colour per memory category, in the order the stacked bars draw them.
+CATEGORY_COLOURS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
+                    "activations": "#c44e52", "temporaries": "#8172b3", "allocator overhead": "#bbbbbb"}
+
+
+def svg_of(figure) -> str:
+    """The figure as an `<svg>` element (the XML prolog and doctype dropped: it sits inside HTML)."""
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg")
+    plt.close(figure)
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]
+
+
+def cost_dots(points: list[dict], title: str, unit: str) -> str:
+    """USD per million (log axis) per GPU, one marker per model size, with each point's range as an error
+    bar; hollow markers are projected, filled ones measured. `points`: gpu, size, cost, low, high, measured."""
+    gpus = sorted({p["gpu"] for p in points}, key=lambda g: min(p["cost"] for p in points if p["gpu"] == g))
+    sizes = list(dict.fromkeys(p["size"] for p in points))
+    figure, axis = plt.subplots(figsize=(7.5, 0.32 * len(gpus) + 1.4))
+    for index, size in enumerate(sizes):
+        colour = plt.cm.tab10(index % 10)
+        for point in (p for p in points if p["size"] == size):
+            y = gpus.index(point["gpu"]) + (index - (len(sizes) - 1) / 2) * 0.12
+            error = [[point["cost"] - point["low"]], [point["high"] - point["cost"]]] \
+                if point["low"] is not None and point["high"] is not None else None
+            axis.errorbar(point["cost"], y, xerr=error, fmt="o", color=colour, markersize=5, elinewidth=0.8,
+                          markerfacecolor=colour if point["measured"] else "white",
+                          label=size if point is next(p for p in points if p["size"] == size) else None)
+    axis.set_xscale("log")
+    # Minor ticks stay unlabelled: over a narrow range their labels (2.4e-2, 2.5e-2...) run into each other.
+    axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axis.set_yticks(range(len(gpus)), gpus, fontsize=8)
+    axis.invert_yaxis()  # cheapest on top
+    axis.set_xlabel(f"USD per million {unit} (best stack per GPU; bars: projection interval or noise)", fontsize=8)
+    axis.set_title(title, fontsize=9)
+    axis.grid(axis="x", alpha=0.3)
+    axis.legend(fontsize=7, loc="lower right", title="size", title_fontsize=7)
+    figure.tight_layout()
+    return svg_of(figure)
+
+
+def fit_heatmap(labels: list[str], gpus: list[str], left: list[list[float | None]], title: str) -> str:
+    """Rows (size / stack) x GPUs: green where the cell fits, red where it does not, written with the
+    memory left (or missing) in GiB; `left` is bytes, None where no row exists."""
+    figure, axis = plt.subplots(figsize=(max(6.0, 0.62 * len(gpus) + 3), 0.28 * len(labels) + 1.6))
+    shade = [[float("nan") if value is None else (1.0 if value >= 0 else 0.0) for value in row] for row in left]
+    axis.imshow(shade, cmap="RdYlGn", vmin=-0.3, vmax=1.3, aspect="auto")
+    for i, row in enumerate(left):
+        for j, value in enumerate(row):
+            text = "-" if value is None else "OOM" if value == float("-inf") else \
+                f"{value / GIB:+.0f}" if abs(value) >= GIB else f"{value / GIB:+.1f}"
+            axis.text(j, i, text, ha="center", va="center", fontsize=6)
+    axis.set_yticks(range(len(labels)), labels, fontsize=7)
+    axis.set_xticks(range(len(gpus)), gpus, fontsize=7, rotation=45, ha="right")
+    axis.set_title(title + " (GiB left, negative: short by)", fontsize=9)
+    figure.tight_layout()
+    return svg_of(figure)
+
+
+def memory_bars(stacks: list[str], parts: dict[str, list[float]], title: str) -> str:
+    """Horizontal bars, one per stack, split into memory categories (bytes, drawn in GiB)."""
+    figure, axis = plt.subplots(figsize=(9.0, 0.34 * len(stacks) + 1.5))
+    left = [0.0] * len(stacks)
+    for category, values in parts.items():
+        widths = [v / GIB for v in values]
+        axis.barh(range(len(stacks)), widths, left=left, color=CATEGORY_COLOURS.get(category), label=category)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    axis.set_yticks(range(len(stacks)), stacks, fontsize=8)
+    axis.invert_yaxis()
+    axis.set_xlabel("GiB at the step's peak", fontsize=8)
+    axis.set_title(title, fontsize=9)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
+    figure.tight_layout()
+    return svg_of(figure)
+
+
+def pareto_scatter(points: list[dict], title: str) -> str:
+    """Peak memory against throughput, one labelled point per stack, the Pareto front (no other stack
+    both smaller and faster) joined by a line. `points`: label, memory (bytes), speed, front (bool)."""
+    figure, axis = plt.subplots(figsize=(7.5, 4.2))
+    for point in points:
+        axis.scatter(point["memory"] / GIB, point["speed"], s=28,
+                     color="#c44e52" if point["front"] else "#999999", zorder=3)
+        axis.annotate(point["label"], (point["memory"] / GIB, point["speed"]), fontsize=7,
+                      xytext=(4, 3), textcoords="offset points")
+    front = sorted((p for p in points if p["front"]), key=lambda p: p["memory"])
+    axis.plot([p["memory"] / GIB for p in front], [p["speed"] for p in front], color="#c44e52", lw=1,
+              label="Pareto front")
+    axis.set_xlabel("peak reserved (GiB)", fontsize=8)
+    axis.set_ylabel("samples/s", fontsize=8)
+    axis.set_title(title, fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    return svg_of(figure)

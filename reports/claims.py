@@ -1,0 +1,338 @@
+"""The guide's claims C1-C16 (docs/GUIDE.md) judged on the report's rows: the claim, what headroom found,
+the rows it rests on, and a verdict (supported, contradicted and by how much, or not measurable here
+and why). Claims judged elsewhere (C1 serving matrix, C4 fragmentation probe, C6/C9 accuracy) arrive
+as their verdict text; the rest are judged here from the results frame.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+GB = 1e9  # the guide quotes decimal GB
+# The GPUs the guide's claims are about, in the order a judgement prefers them when nothing was
+# measured on a GPU (the claims date from the A100 era).
+PREFERRED_GPUS = ("a100-sxm4-80gb", "a100-pcie-80gb", "h100-sxm", "a10")
+
+CLAIMS = {
+    "C1": "one A100 80 GB holds an FP16 model of only about 13 B parameters",
+    "C2": "training memory is parameters (FP16: 2 B/param), Adam's state (16 B/param in FP32) and activations",
+    "C3": "GPT-3 175B training: parameters 350 GB, optimizer state 2,800 GB, activations about 500 GB at batch 1024",
+    "C4": "fragmentation wastes 30-50% of GPU memory",
+    "C5": "mixed precision cuts ResNet-50 training memory by 40% and speeds it up 1.5x",
+    "C6": "layer sharing on BERT-base costs 1.2% accuracy",
+    "C7": "checkpointing costs 20-30% more compute time",
+    "C8": "batch 32 x 4 accumulation steps peaks only about 10% above batch 32",
+    "C9": "INT8 BERT loses under 0.5% accuracy",
+    "C10": "on MI250X, 2:4 sparsity gives 1.6x speed and halves memory",
+    "C11": "2-way tensor parallelism takes a GPT-3 layer's memory from 350 GB to 175 GB",
+    "C12": "sequence parallelism saves 40% memory on T5-XXL at sequence length 1024",
+    "C13": "the guide's tensor-parallel sample is a correct column-parallel layer",
+    "C14": "strategy by size: <1B mixed precision + checkpointing; 1-10B tensor parallelism + quantisation; "
+           ">10B 3D parallelism",
+    "C15": "for training an A100 80GB beats an H100 80GB; for inference a T4 is better value than an A10",
+    "C16": "sharing and mixed precision alone solve about 80% of memory problems",
+}
+
+
+def _numbers(frame: pd.DataFrame, column: str) -> pd.Series:
+    return pd.to_numeric(frame[column], errors="coerce").astype(float) if column in frame else \
+        pd.Series(float("nan"), index=frame.index)
+
+
+def _cells(frame: pd.DataFrame, capacities: dict) -> pd.DataFrame:
+    """Single-device rows on GPU profiles, measured rows replacing projected twins."""
+    rows = frame[frame["gpu"].isin(capacities)]
+    if "rank" in rows:
+        rows = rows[rows["rank"].isna()]
+    rows = rows.sort_values("source", key=lambda s: s.ne("measured"), kind="stable")
+    return rows.drop_duplicates(["workload", "size", "mode", "technique", "gpu", "batch_size"], keep="first")
+
+
+def _pairs(rows: pd.DataFrame, technique: str, against: str = "baseline") -> pd.DataFrame:
+    """`technique` rows joined with the `against` row of the same workload, size, mode, GPU and batch."""
+    key = ["workload", "size", "mode", "gpu", "batch_size", "source"]
+    left = rows[rows["technique"] == technique]
+    right = rows[rows["technique"] == against]
+    return left.merge(right, on=key, suffixes=("", "_ref"))
+
+
+def _prefer(pairs: pd.DataFrame) -> pd.DataFrame:
+    """Measured pairs where there are; else the pairs on the first preferred GPU present."""
+    if not len(pairs):
+        return pairs
+    measured = pairs[pairs["source"] == "measured"]
+    if len(measured):
+        return measured
+    for gpu in PREFERRED_GPUS:
+        if (pairs["gpu"] == gpu).any():
+            return pairs[pairs["gpu"] == gpu]
+    return pairs[pairs["gpu"] == pairs["gpu"].iloc[0]]
+
+
+def _where(pairs: pd.DataFrame) -> str:
+    sources = sorted(set(pairs["source"]))
+    return (f"{len(pairs)} {'/'.join(sources)} pair{'s' if len(pairs) != 1 else ''} on "
+            f"{', '.join(sorted(set(pairs['gpu'])))} ({', '.join(sorted(set(pairs['size'])))})")
+
+
+def _judged(claim: str, found: str, rows: str, verdict: str) -> dict:
+    return {"id": claim, "claim": CLAIMS[claim], "found": found, "rows": rows, "verdict": verdict}
+
+
+VERDICTS = ("supported", "contradicted", "inconclusive", "consistent", "exceeded", "not measur", "no verdict")
+
+
+def _from_text(claim: str, text: str | None, rows: str, missing: str) -> dict:
+    """A verdict judged by another section: its text, and the verdict words that open its parts
+    (`supported: ...`, or `ptq-int8: supported (...); qat-int8: ...` for one verdict per technique)."""
+    if not text:
+        return _judged(claim, missing, "none", "not measurable here")
+    found = []
+    for part in text.split("; "):
+        head, _, rest = part.partition(": ")
+        for candidate in (part, rest):
+            word = next((w for w in VERDICTS if candidate.startswith(w)), None)
+            if word:
+                phrase = candidate.split(":")[0].split(" (")[0]
+                found.append(phrase if candidate is part else f"{head}: {phrase}")
+                break
+    verdict = "; ".join(dict.fromkeys(found)) if found else text.split(":")[0]
+    return _judged(claim, text, rows, verdict)
+
+
+def judge_c2(rows: pd.DataFrame) -> dict:
+    train = rows[(rows["mode"] == "train") & (rows["status"].isin(["ok", "oom"]))]
+    plain = train[train["technique"].isin(["baseline", "amp-bf16", "amp-fp16"])]
+    count = _numbers(plain, "param_count")
+    plain = plain[count > 0]
+    if not len(plain):
+        return _judged("C2", "no full-training rows with parameter counts", "none", "not measurable here")
+    count = _numbers(plain, "param_count")
+    optimizer = (_numbers(plain, "optimizer_bytes") / count).median()
+    params = (_numbers(plain, "params_bytes") / count).median()
+    found = (f"AdamW holds {optimizer:.1f} B/param (two fp32 moments); parameters take {params:.1f} B/param "
+             "(mixed precision keeps fp32 master weights: 2 B/param holds only where the weights themselves are "
+             "16-bit, as served with bf16-weights); 16 B/param is the whole mixed-precision state (2 + 2 + 12 in "
+             "the ZeRO paper's count), not Adam's alone")
+    verdict = "supported" if abs(optimizer / 16 - 1) < 0.1 else \
+        f"contradicted: Adam's state is {16 / optimizer:.1f}x smaller than stated"
+    return _judged("C2", found, f"{len(plain)} training rows (baseline, amp-*)", verdict)
+
+
+def judge_c3(rows: pd.DataFrame) -> dict:
+    big = rows[(rows["size"] == "gpt3-175b") & (rows["mode"] == "train")
+               & rows["technique"].isin(["amp-bf16", "amp-fp16", "baseline"])]
+    big = big[_numbers(big, "params_bytes") > 0]
+    if not len(big):
+        return _judged("C3", "no gpt3-175b training rows", "none",
+                       "not measurable here: project it (headroom run --size gpt3-175b --gpu a100-sxm4-80gb)")
+    row = big.sort_values("technique").iloc[0]
+    batch = float(row["batch_size"])
+    activations = float(row["activations_bytes"]) * 1024 / batch
+    found = (f"{row['technique']}: parameters {float(row['params_bytes']) / GB:,.0f} GB (fp32 master copy), "
+             f"optimizer {float(row['optimizer_bytes']) / GB:,.0f} GB, "
+             f"gradients {float(row['grads_bytes']) / GB:,.0f} GB; "
+             f"activations {float(row['activations_bytes']) / GB:,.0f} GB at batch {batch:.0f}, "
+             f"{activations / GB / 1000:,.0f} TB scaled to batch 1024 without checkpointing")
+    optimizer = float(row["optimizer_bytes"]) / (2800 * GB)
+    verdict = (f"contradicted: optimizer state {optimizer:.2f}x the stated 2,800 GB and activations at batch 1024 "
+               f"{activations / (500 * GB):,.0f}x the stated 500 GB; the total is indeed above 3 TB")
+    return _judged("C3", found, f"1 {row['source']} row ({row['technique']} on {row['gpu']})", verdict)
+
+
+def judge_ratio(claim: str, rows: pd.DataFrame, workloads: tuple, technique: str, stated_memory: float | None,
+                stated_speed: float | None, tolerance: float) -> dict:
+    """Memory saved and step-time change of `technique` against baseline on the same cells."""
+    pairs = _prefer(_pairs(rows[rows["workload"].isin(workloads) & (rows["mode"] == "train")
+                                & (rows["status"] == "ok")], technique))
+    if not len(pairs):
+        return _judged(claim, f"no {technique} rows beside a baseline", "none",
+                       f"not measurable here: run {technique} with baseline on {', '.join(workloads)}")
+    saved = (1 - _numbers(pairs, "peak_reserved_bytes") / _numbers(pairs, "peak_reserved_bytes_ref")).median()
+    slower = (_numbers(pairs, "step_time_ms_p50") / _numbers(pairs, "step_time_ms_p50_ref")).median()
+    found = f"{technique} saves {saved:.0%} of peak reserved memory; step time x{slower:.2f} (median)"
+    parts = []
+    if stated_memory is not None:
+        parts.append("memory " + ("as stated" if abs(saved - stated_memory) <= tolerance
+                                  else f"{saved:.0%} against {stated_memory:.0%}"))
+    if stated_speed is not None:
+        parts.append("speed " + ("as stated" if abs(slower - stated_speed) <= tolerance * stated_speed
+                                 else f"x{slower:.2f} against x{stated_speed:.2f}"))
+    matched = ["as stated" in p for p in parts]
+    verdict = "supported" if all(matched) else \
+        ("partly supported: " if any(matched) else "contradicted: ") + ", ".join(parts)
+    return _judged(claim, found, _where(pairs), verdict)
+
+
+def judge_c8(rows: pd.DataFrame) -> dict:
+    accum = rows[(rows["technique"] == "grad-accumulation") & (rows["status"] == "ok")]
+    base = rows[(rows["technique"] == "baseline") & (rows["status"] == "ok")]
+    matches = []
+    for _, row in accum.iterrows():
+        micro = float(row["batch_size"]) / 4  # grad-accumulation runs 4 micro-batches
+        same = base[(base["workload"] == row["workload"]) & (base["size"] == row["size"])
+                    & (base["mode"] == row["mode"])
+                    & (base["gpu"] == row["gpu"]) & (_numbers(base, "batch_size") == micro)]
+        if len(same):
+            matches.append(float(row["peak_reserved_bytes"]) / float(same.iloc[0]["peak_reserved_bytes"]) - 1)
+    if not matches:
+        return _judged("C8", "no baseline row at the accumulation's micro-batch beside a grad-accumulation row", "none",
+                       "not measurable here: run baseline at a quarter of the batch beside grad-accumulation "
+                       "(--batch-size)")
+    growth = pd.Series(matches).median()
+    verdict = "supported" if growth <= 0.15 else f"contradicted: peak grows {growth:.0%}, not 10%"
+    return _judged("C8", f"peak {growth:+.0%} over the micro-batch alone (median of {len(matches)})",
+                   f"{len(matches)} pairs", verdict)
+
+
+def judge_c10(rows: pd.DataFrame) -> dict:
+    pairs = _pairs(rows[rows["status"] == "ok"], "sparsity-2to4")
+    on_mi250x = pairs[pairs["gpu"] == "mi250x"]
+    if not len(on_mi250x):
+        found = "no MI250X rows: its 2:4 sparse throughput is unverified (gpu_profiles/mi250x.toml has none)"
+        if len(pairs):
+            pairs = _prefer(pairs)
+            speed = (_numbers(pairs, "step_time_ms_p50_ref") / _numbers(pairs, "step_time_ms_p50")).median()
+            memory = (_numbers(pairs, "peak_reserved_bytes") / _numbers(pairs, "peak_reserved_bytes_ref")).median()
+            found += f"; elsewhere sparsity-2to4 runs x{speed:.2f} as fast in x{memory:.2f} the memory"
+            return _judged("C10", found, _where(pairs), "not measurable here: no MI250X")
+        return _judged("C10", found, "none", "not measurable here: no MI250X and no sparsity-2to4 rows")
+    return judge_ratio("C10", rows[rows["gpu"] == "mi250x"], tuple(set(on_mi250x["workload"])), "sparsity-2to4",
+                       0.5, 1 / 1.6, 0.1)
+
+
+def judge_c11(frame: pd.DataFrame) -> dict:
+    """The arithmetic of a GPT-3 block, and the per-rank parameters of any measured tensor-parallel cell."""
+    from suites.workloads.gpt import SIZES
+
+    config = SIZES["gpt3-175b"].config
+    layer = 12 * config["n_embd"] ** 2  # attention 4 d^2 + MLP 8 d^2 weights per block
+    found = (f"a GPT-3 175B block holds {layer / 1e9:.2f}B weights, {2 * layer / GB:.1f} GB in FP16; "
+             f"350 GB is the whole model's FP16 weights ({config['n_layer']} blocks)")
+    ranks = frame[frame["technique"].astype(str).str.contains("tensor-parallel") & frame["rank"].notna()] \
+        if len(frame) and "rank" in frame else frame[:0]
+    ratios = []
+    for _, row in ranks.iterrows():
+        alone = frame[(frame["workload"] == row["workload"]) & (frame["size"] == row["size"])
+                      & (frame["mode"] == row["mode"]) & (frame["technique"] == "baseline")
+                      & (frame["source"] == row["source"]) & frame["rank"].isna()]
+        if len(alone) and float(alone.iloc[0]["params_bytes"] or 0) > 0:
+            ratios.append(float(row["params_bytes"]) / float(alone.iloc[0]["params_bytes"]))
+    if ratios:
+        found += (f"; measured tensor-parallel ranks hold x{pd.Series(ratios).median():.2f} of the single process's "
+                  "parameter bytes (sharded layers split, embeddings and norms replicated)")
+    verdict = f"contradicted: one layer is {350 * GB / (2 * layer):.0f}x smaller than stated; 2-way tensor " \
+              "parallelism does halve its sharded weights"
+    return _judged("C11", found, f"the gpt3-175b shape; {len(ratios)} tensor-parallel rank rows", verdict)
+
+
+def judge_c13() -> dict:
+    """The guide's sample beside a correct column-parallel layer, on one process standing in for 2 ranks
+    (tests/test_parallel.py runs the real 2-process layer)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(8, 16, generator=generator), torch.randn(4, 16, generator=generator)
+    whole = torch.nn.functional.linear(x, weight)
+    local = torch.nn.functional.linear(x.chunk(2)[0], weight.chunk(2)[0])  # rank 0's part, as the sample does
+    sample = torch.cat([local, local], dim=-1)  # the same local output twice instead of a gather
+    gathered = torch.cat([torch.nn.functional.linear(x, w) for w in weight.chunk(2)], dim=-1)
+    error = (sample - whole[:2]).abs().max().item()
+    return _judged("C13", f"the sample's output has {sample.shape[0]} of {whole.shape[0]} rows and repeats one shard: "
+                          f"max |error| {error:.2f}; sharding the weight and gathering gives "
+                          f"{(gathered - whole).abs().max().item():.1g}",
+                   "computed here (tests/test_parallel.py runs it on 2 processes)",
+                   "supported (the sample is wrong, as the guide's correction says)")
+
+
+def judge_c14(rows: pd.DataFrame) -> dict:
+    train = rows[(rows["mode"] == "train") & (_numbers(rows, "param_count") > 0)]
+    if not len(train):
+        return _judged("C14", "no training rows", "none", "not measurable here")
+    findings = []
+    for label, low, high, guide in (("<1B", 0, 1e9, "amp+checkpointing"), ("1-10B", 1e9, 1e10, "TP+quantisation"),
+                                    (">10B", 1e10, float("inf"), "3D parallelism")):
+        part = train[(_numbers(train, "param_count") >= low) & (_numbers(train, "param_count") < high)]
+        if not len(part):
+            continue
+        ok = part[part["status"] == "ok"]
+        if not len(ok):
+            findings.append(f"{label}: nothing tried fits one GPU (guide: {guide})")
+            continue
+        ranked = ok.assign(usd=_numbers(ok, "usd_per_million_samples")).dropna(subset=["usd"])
+        best = ranked.sort_values("usd").groupby("size").head(1)["technique"].value_counts() if len(ranked) else None
+        winner = best.index[0] if best is not None and len(best) else ok["technique"].value_counts().index[0]
+        findings.append(f"{label}: {winner} is the best value on one GPU (guide: {guide})")
+    return _judged("C14", "; ".join(findings), f"{len(train)} training rows", "partly supported: single-GPU stacks "
+                   "are judged; tensor, pipeline and 3D parallelism are not projected yet")
+
+
+def judge_c15(rows: pd.DataFrame) -> dict:
+    ok = rows[rows["status"] == "ok"]
+    parts, verdicts = [], []
+    for mode, first, second, guide in (("train", "a100-sxm4-80gb", "h100-sxm", "A100 80GB better"),
+                                       ("infer", "t4", "a10", "T4 better value")):
+        a = ok[(ok["mode"] == mode) & (ok["gpu"] == first)]
+        b = ok[(ok["mode"] == mode) & (ok["gpu"] == second)]
+        joined = a.merge(b, on=["workload", "size", "technique", "batch_size"], suffixes=("", "_other"))
+        if not len(joined):
+            parts.append(f"{mode}: no rows on both {first} and {second}")
+            continue
+        speed = (_numbers(joined, "throughput_samples_s_other")
+                 / _numbers(joined, "throughput_samples_s")).median()
+        cost = (_numbers(joined, "usd_per_million_samples_other")
+                / _numbers(joined, "usd_per_million_samples")).median()
+        parts.append(f"{mode}: {second} runs x{speed:.2f} as fast as {first} at x{cost:.2f} its cost per sample "
+                     f"(median of {len(joined)} cells)")
+        better = cost > 1 if mode == "infer" else speed < 1
+        verdicts.append(f"{mode} {'supported' if better else 'contradicted'} ({guide})")
+    return _judged("C15", "; ".join(parts), "projected/measured cells on both GPUs",
+                   "; ".join(verdicts) or "not measurable here")
+
+
+def judge_c16(rows: pd.DataFrame) -> dict:
+    train = rows[rows["mode"] == "train"]
+    short = train[(train["technique"] == "baseline") & (train["status"] == "oom")]
+    if not len(short):
+        return _judged("C16", "no baseline training cell runs out of memory in these rows", "none",
+                       "not measurable here")
+    simple = {"amp-bf16", "amp-fp16", "param-sharing"}
+    solved = 0
+    for _, row in short.iterrows():
+        same = train[(train["workload"] == row["workload"]) & (train["size"] == row["size"])
+                     & (train["gpu"] == row["gpu"]) & (train["status"] == "ok")]
+        solved += any(set(str(t).split("+")) <= simple for t in same["technique"])
+    share = solved / len(short)
+    verdict = "supported" if abs(share - 0.8) <= 0.1 else f"contradicted: {share:.0%}, not 80%"
+    return _judged("C16", f"mixed precision or sharing alone makes {solved} of {len(short)} out-of-memory baseline "
+                          f"training cells fit ({share:.0%})", f"{len(short)} OOM baseline cells", verdict)
+
+
+def judge_claims(frame: pd.DataFrame, capacities: dict, c1: str | None = None, c4: str | None = None,
+                 c6: str | None = None, c9: str | None = None) -> list[dict]:
+    """Every claim C1-C16 with its finding and verdict, in order."""
+    rows = _cells(frame, capacities) if len(frame) else frame
+    tiny = not len(rows)
+    judged = [
+        _from_text("C1", c1, "the serving matrix", "no serving matrix in these results (headroom serve-matrix)"),
+        judge_c2(rows) if not tiny else None,
+        judge_c3(rows) if not tiny else None,
+        _from_text("C4", c4, "the fragmentation probe", "no fragmentation probe in these results "
+                                                        "(headroom fragmentation)"),
+        judge_ratio("C5", rows, ("resnet50",), "amp-fp16", 0.40, 1 / 1.5, 0.1) if not tiny else None,
+        _from_text("C6", c6, "accuracy.csv", "no accuracy rows (headroom run --accuracy)"),
+        judge_ratio("C7", rows, ("bert", "gpt"), "checkpointing", None, 1.25, 0.05 / 1.25) if not tiny else None,
+        judge_c8(rows) if not tiny else None,
+        _from_text("C9", c9, "accuracy.csv", "no accuracy rows (headroom run --accuracy)"),
+        judge_c10(rows) if not tiny else None,
+        judge_c11(frame),
+        _judged("C12", "sequence parallelism is not built yet and T5-XXL is not a workload", "none",
+                "not measurable here"),
+        judge_c13(),
+        judge_c14(rows) if not tiny else None,
+        judge_c15(rows) if not tiny else None,
+        judge_c16(rows) if not tiny else None,
+    ]
+    ids = list(CLAIMS)
+    return [claim or _judged(ids[index], "no GPU rows in these results", "none", "not measurable here")
+            for index, claim in enumerate(judged)]

@@ -1,0 +1,108 @@
+"""Markdown for pull requests and chat: a results frame's summary (`headroom report --format md`), and
+the escaping and table helpers the comparison's summary (reports/compare.py) shares.
+
+Every value is formatted by reports/format.py and escaped here, so a name from a results file can
+neither break a table (`|`, a newline) nor smuggle markup into a page that renders Markdown as HTML.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from reports import format as fmt
+
+MAX_ROWS = 50  # per table: a summary a reviewer reads, not a dump; the rest is counted
+_SPECIAL = re.compile(r"([\\`*_{}\[\]|#])")
+
+
+def escape(value) -> str:
+    """`value` as text safe in Markdown and in a table cell: control characters written as escapes
+    (`\\n`), Markdown punctuation backslash-escaped, `<`, `>` and `&` as HTML entities."""
+    text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(value))
+    text = _SPECIAL.sub(r"\\\1", text)
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def table(headers: list[str], rows: list[list[str]], right_from: int = 1, limit: int = MAX_ROWS) -> str:
+    """A pipe table of already formatted (unescaped) cells, left-aligned up to column `right_from` and
+    right-aligned after it (figures), with at most `limit` rows and a line counting the rest."""
+    align = [":--" if index < right_from else "--:" for index in range(len(headers))]
+    lines = ["| " + " | ".join(escape(header) for header in headers) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(escape(cell) for cell in row) + " |" for row in rows[:limit]]
+    if len(rows) > limit:
+        lines += ["", f"... and {len(rows) - limit} more rows."]
+    return "\n".join(lines)
+
+
+def results_markdown(frame: pd.DataFrame, profiles: dict | None = None, prices: dict | None = None) -> str:
+    """A short summary of a results frame: its runs, rows by source and status, the answer (which GPU and
+    stack per model, reports/answer.py), and per workload and mode the measured cells' median step time
+    and peak reserved memory."""
+    lines = ["## headroom results", ""]
+    runs = sorted(frame["run_id"].dropna().unique()) if len(frame) else []
+    lines += [f"{len(frame)} rows from {len(runs)} run{'' if len(runs) == 1 else 's'}"
+              + (": " + ", ".join(escape(run) for run in runs) if runs else "") + ".", ""]
+    if not len(frame):
+        return "\n".join(lines)
+    lines += answer_markdown(frame, profiles, prices)
+    counts = frame.groupby(["source", "status"], sort=True).size()
+    lines += [table(["source", "status", "rows"], [[str(source), str(status), str(count)]
+                                                   for (source, status), count in counts.items()], right_from=2), ""]
+    # The cell rows of measured cells (a parallel cell's per-rank rows repeat it: the cell row is the max).
+    measured = frame[(frame["source"] == "measured") & frame["rank"].isna()]
+    if measured.empty:
+        lines += ["No measured cells: every figure here is projected.", ""]
+        return "\n".join(lines)
+    headers = ["size", "technique", "GPU", "batch", "status", "step time p50", "peak reserved"]
+    for (workload, mode), group in measured.groupby(["workload", "mode"], sort=True):
+        group = group.sort_values(["size", "technique", "gpu", "batch_size"], kind="stable")
+        rows = [[fmt.text(row["size"]), fmt.text(row["technique"]), fmt.text(row["gpu"]), fmt.text(row["batch_size"]),
+                 fmt.text(row["status"]), milliseconds(row["step_time_ms_p50"]), fmt.bytes_(row["peak_reserved_bytes"])]
+                for _, row in group.iterrows()]
+        lines += [f"### {escape(workload)} · {escape(mode)}", "", table(headers, rows, right_from=5), ""]
+    return "\n".join(lines)
+
+
+def answer_markdown(frame: pd.DataFrame, profiles: dict | None, prices: dict | None) -> list[str]:
+    """The report's answer as a table: per model and mode, the best-value and the fastest GPU + stack."""
+    from harness.prices import cost_rows, price_table
+    from harness.profiles import load_profiles
+    from reports.answer import answers
+    from reports.build import capacities_of
+
+    profiles = load_profiles() if profiles is None else profiles
+    costed = cost_rows(frame, price_table(profiles) if prices is None else prices)
+    found = answers(costed, capacities_of(profiles))
+    if not found:
+        return []
+
+    def pick(value) -> str:
+        if value is None:
+            return "nothing tried fits"
+        return f"{value['gpu']} · {value['stack']} ({value['source']}): {value['speed']}; {value['cost']} " \
+               f"({value['price']})"
+
+    rows = [[a["workload"], a["size"], a["mode"], pick(a["picks"]["value"]), pick(a["picks"]["fastest"])]
+            for a in found]
+    return ["### The answer: best value and fastest GPU + stack per model", "",
+            "Costs at on-demand USD per GPU-hour, each price dated; ranges are projection intervals or noise.", "",
+            table(["workload", "size", "mode", "best value", "fastest"], rows, right_from=5), ""]
+
+
+def milliseconds(value) -> str:
+    return fmt.EMPTY if fmt.missing(value) else f"{fmt.number(value, 2)} ms"
+
+
+def write_text(text: str, out: Path) -> Path:
+    """Write a page (Markdown or HTML) atomically; the folder must exist or be creatable."""
+    from harness.records import atomic_write_text
+
+    out = Path(out)
+    try:
+        atomic_write_text(out, text if text.endswith("\n") else text + "\n")
+    except OSError as exc:
+        raise ValueError(f"cannot write {out} ({exc.strerror}); choose another --out") from None
+    return out

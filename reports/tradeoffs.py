@@ -1,0 +1,115 @@
+"""The report's trade-off sections: which size and stack fits on which GPU (fit matrix), where a step's
+memory goes under each stack (breakdown), and what each stack's memory costs in speed (Pareto front).
+
+A cell fits when its peak reserved memory (what the caching allocator holds, the figure that runs out)
+is within the profile's visible memory; the memory left is that difference, negative when short.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from harness.advise import memory_left
+from reports import charts
+from reports import format as fmt
+
+# The memory categories of a row, in the order a step builds them up; allocator overhead is what the
+# caching allocator holds beyond the tensors' bytes (reserved - allocated).
+CATEGORIES = [("parameters", "params_bytes"), ("gradients", "grads_bytes"), ("optimizer", "optimizer_bytes"),
+              ("activations", "activations_bytes"), ("temporaries", "temporaries_bytes")]
+# The GPUs a breakdown is drawn on when none was measured, most familiar first.
+REFERENCE_GPUS = ("h100-sxm", "a100-sxm4-80gb", "h200", "l4", "a10")
+
+
+def _cells(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
+    """Single-device cell rows on GPU profiles that ran or were judged (ok or oom), one per cell, the
+    measured row replacing its projected twin."""
+    rows = frame[frame["gpu"].isin(capacities) & frame["status"].isin(["ok", "oom"])]
+    if "rank" in rows:
+        rows = rows[rows["rank"].isna()]
+    rows = rows.sort_values("source", key=lambda s: s.ne("measured"), kind="stable")
+    return rows.drop_duplicates(["workload", "size", "mode", "technique", "gpu", "batch_size"], keep="first")
+
+
+def fit_matrices(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
+    """Per workload and mode: size x stack rows, GPU columns, memory left (or short) in each cell."""
+    rows = _cells(frame, capacities)
+    matrices = []
+    for (workload, mode), group in rows.groupby(["workload", "mode"], sort=False):
+        group = group.assign(left=[
+            memory_left(row.get("peak_reserved_bytes"), row.get("device_overhead_bytes"), capacities[row["gpu"]],
+                        row.get("peak_allocated_bytes"), None if pd.isna(row.get("fits")) else bool(row["fits"]))
+            for _, row in group.iterrows()])
+        order = group.groupby("size")["params_bytes"].max().astype(float).sort_values().index
+        gpus = sorted(group["gpu"].unique(), key=lambda g: (capacities[g], g))
+        labels, left = [], []
+        for size in order:
+            part = group[group["size"] == size]
+            for technique in dict.fromkeys(part["technique"]):
+                cells = part[part["technique"] == technique].drop_duplicates("gpu").set_index("gpu")["left"]
+                status = part[part["technique"] == technique].drop_duplicates("gpu").set_index("gpu")["status"]
+                labels.append(f"{size} / {technique}")
+                # An OOM without a figure (a measured cell that died) is short by an unknown amount.
+                left.append([float("-inf") if status.get(gpu) == "oom" and fmt.missing(cells.get(gpu)) else
+                             None if fmt.missing(cells.get(gpu)) else float(cells[gpu]) for gpu in gpus])
+        fits = sum(value is not None and value >= 0 for row in left for value in row)
+        judged = sum(value is not None for row in left for value in row)
+        title = f"{workload} {mode}: fits on which GPU"
+        matrices.append({"name": f"fit-{workload}-{mode}", "title": title, "fits": fits, "judged": judged,
+                         "svg": charts.fit_heatmap(labels, gpus, left, title)})
+    return matrices
+
+
+def _reference_rows(group: pd.DataFrame) -> tuple[str, str, pd.DataFrame]:
+    """The size and GPU a workload's breakdown is drawn for: measured rows where there are (a GPU that
+    was there), else the largest size with the most stacks on the GPU with the most rows."""
+    measured = group[group["source"] == "measured"]
+    pool = measured if len(measured) else group
+    ok = pool[pool["status"] == "ok"]
+    pool = ok if len(ok) else pool
+    counts = pool.groupby(["size", "gpu"]).size()
+    sizes = pool.groupby("size")["params_bytes"].max().astype(float)
+    size = max(sizes.index, key=lambda name: (counts[name].max(), sizes[name]))
+    gpus = counts[size]
+    # A GPU people know the figures of reads best; failing those, the one with the most stacks.
+    known = [gpu for gpu in REFERENCE_GPUS if gpus.get(gpu, 0) == gpus.max()]
+    gpu = known[0] if known else max(gpus.index, key=lambda name: (gpus[name], name))
+    # Every stack on that size and GPU, measured cells standing in for their projected twins (_cells).
+    return size, gpu, group[(group["size"] == size) & (group["gpu"] == gpu)]
+
+
+def memory_sections(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
+    """Per workload and mode: stacked memory bars per stack and the speed-vs-memory Pareto chart."""
+    rows = _cells(frame, capacities)
+    sections = []
+    for (workload, mode), group in rows.groupby(["workload", "mode"], sort=False):
+        size, gpu, chosen = _reference_rows(group)
+        chosen = chosen.drop_duplicates("technique")
+        sources = set(chosen["source"])
+        source = "measured" if sources == {"measured"} else "projected" if sources == {"projected"} else \
+            "measured and projected"
+        numbers = {name: pd.to_numeric(chosen[column], errors="coerce").astype(float).fillna(0).tolist()
+                   for name, column in CATEGORIES}
+        reserved = pd.to_numeric(chosen["peak_reserved_bytes"], errors="coerce").astype(float)
+        allocated = pd.to_numeric(chosen["peak_allocated_bytes"], errors="coerce").astype(float)
+        numbers["allocator overhead"] = (reserved - allocated).clip(lower=0).fillna(0).tolist()
+        stacks = chosen["technique"].astype(str).tolist()
+        title = f"{workload} {size} {mode} on {gpu} ({source}): where memory goes"
+        section = {"name": f"memory-{workload}-{mode}", "title": title,
+                   "svg": charts.memory_bars(stacks, numbers, title), "pareto": None}
+        speed = chosen[chosen["status"] == "ok"]
+        speed = speed.assign(speed=pd.to_numeric(speed["throughput_samples_s"], errors="coerce").astype(float),
+                             memory=pd.to_numeric(speed["peak_reserved_bytes"], errors="coerce").astype(float))
+        speed = speed.dropna(subset=["speed", "memory"])
+        if len(speed) >= 2:
+            points = [{"label": str(r["technique"]), "memory": r["memory"], "speed": r["speed"],
+                       "front": not ((speed["memory"] <= r["memory"]) & (speed["speed"] >= r["speed"])
+                                     & ((speed["memory"] < r["memory"]) | (speed["speed"] > r["speed"]))).any()}
+                      for _, r in speed.iterrows()]
+            ptitle = f"{workload} {size} {mode} on {gpu} ({source}): speed against memory"
+            section["pareto"] = {"name": f"pareto-{workload}-{mode}", "title": ptitle,
+                                 "svg": charts.pareto_scatter(points, ptitle),
+                                 "front": ", ".join(p["label"] for p in sorted(points, key=lambda p: p["memory"])
+                                                    if p["front"])}
+        sections.append(section)
+    return sections

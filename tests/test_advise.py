@@ -1,0 +1,81 @@
+"""OOM advice (harness/advise.py, `headroom advise`): the stacks that make a cell fit, ranked by step time,
+and for a cell that fits, a larger batch or a cheaper GPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness import advise
+from harness.cli import main
+from harness.profiles import BUILTIN_PROFILES_DIR
+
+GIB = 2**30
+
+
+def test_fixes_that_fit_are_ranked_by_step_time_and_worded():
+    target = {"reserved": 50 * GIB, "step_ms": 100.0}
+    fixes = [{"stack": "amp-bf16", "reserved": 30 * GIB, "step_ms": 80.0, "left": -2 * GIB},   # still short
+             {"stack": "amp-bf16+checkpointing", "reserved": 9 * GIB, "step_ms": 128.0, "left": 6 * GIB},
+             {"stack": "qlora+checkpointing", "reserved": 5 * GIB, "step_ms": 300.0, "left": 10 * GIB},
+             {"stack": "checkpointing", "reserved": 20 * GIB, "step_ms": 120.0, "left": 1 * GIB}]
+    lines = advise.rank_fixes(target, fixes)
+    assert [line.split(":")[0] for line in lines] == ["checkpointing", "amp-bf16+checkpointing", "qlora+checkpointing"]
+    assert lines[1] == "amp-bf16+checkpointing: -41.0 GiB, +28% step time, fits with 6.0 GiB left"
+    assert lines[2].endswith("(trains adapters on 4-bit frozen weights)")
+
+
+def test_without_a_step_time_of_its_own_the_fastest_fix_is_the_reference():
+    lines = advise.rank_fixes({"reserved": 50 * GIB, "step_ms": None},
+                              [{"stack": "a", "reserved": GIB, "step_ms": 200.0, "left": GIB},
+                               {"stack": "b", "reserved": GIB, "step_ms": 100.0, "left": GIB}])
+    assert "100 ms per step (+0% vs the fastest)" in lines[0] and "(+100% vs the fastest)" in lines[1]
+
+
+def test_memory_left_follows_the_projections_fit():
+    assert advise.memory_left(8 * GIB, GIB, 10 * GIB) == GIB
+    assert advise.memory_left(12 * GIB, GIB, 10 * GIB) == -3 * GIB
+    # Fits only because the allocator frees its cache and retries: what the live bytes leave.
+    assert advise.memory_left(12 * GIB, GIB, 10 * GIB, allocated=7 * GIB, fits=True) == 2 * GIB
+    assert advise.memory_left(None, GIB, 10 * GIB) is None
+
+
+@pytest.fixture
+def small_l4(tmp_path):
+    """An L4 with 10,000 MiB: gpt2-124m's baseline step (about 12 GiB reserved) does not fit, its
+    amp-bf16 + checkpointing step (about 8 GiB) does."""
+    text = (BUILTIN_PROFILES_DIR / "l4.toml").read_text()
+    text = re.sub(r'^id = .*$', 'id = "small-l4"', text, flags=re.M)
+    text = re.sub(r'^family = .*$', 'family = "small-l4"', text, flags=re.M)
+    text = re.sub(r'^match = .*$', 'match = ["Small L4"]', text, flags=re.M)
+    text = re.sub(r"^visible_memory_mib = .*$", "visible_memory_mib = 10000", text, count=1, flags=re.M)
+    text = re.sub(r"^memory_gib = .*$", "memory_gib = 10", text, count=1, flags=re.M)
+    (tmp_path / "small-l4.toml").write_text(text)
+    return tmp_path
+
+
+def test_advise_names_the_stacks_that_make_a_cell_fit(small_l4, monkeypatch, capsys):
+    monkeypatch.setattr(advise, "TRAIN_STACKS", ("tf32", "amp-bf16+checkpointing"))
+    assert main(["advise", "--workload", "gpt", "--size", "gpt2-124m", "--gpu", "small-l4",
+                 "--profiles", str(small_l4)]) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].startswith("baseline does not fit on small-l4: short by ") and "1 of 2 stacks" in lines[0]
+    assert re.fullmatch(r"  checkpointing\+amp-bf16: -\d+\.\d GiB, [\d,]+ ms per step \(\+0% vs the fastest\), "
+                        r"fits with \d+\.\d GiB left", lines[1]), lines[1]
+    assert len(lines) == 2  # tf32 keeps fp32 activations: still short, not advised
+    assert "projecting tf32 on small-l4" in err  # progress goes to stderr
+
+
+def test_advise_for_a_cell_that_fits_offers_a_larger_batch(small_l4, capsys):
+    assert main(["advise", "--workload", "gpt", "--size", "smoke", "--gpu", "small-l4", "--profiles",
+                 str(small_l4)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("baseline fits on small-l4 with ") and "a larger batch fits: up to " in out
+
+
+def test_advise_refuses_a_family_of_several_gpus(capsys):
+    assert main(["advise", "--gpu", "h200"]) == 2
+    err = capsys.readouterr().err
+    assert "one GPU" in err and "h200-nvl" in err and len(err.splitlines()) == 1

@@ -1,0 +1,184 @@
+"""The report's decision sections (reports/answer.py, tradeoffs.py, advice.py, claims.py): picks among the
+cells that fit, the fit matrix, the Pareto front, advice for OOM cells, the guide's claims judged, and a
+reader's test: from the page alone, which GPU to fine-tune gpt2-1.3b on and to serve a 7B model on, and
+at what cost per million tokens."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+
+import pandas as pd
+import pytest
+
+from harness.prices import Price, cost_rows
+from harness.profiles import load_profiles
+from harness.records import Record, records_frame
+from reports.advice import oom_advice
+from reports.answer import answers, serving_answers
+from reports.build import capacities_of, render
+from reports.claims import CLAIMS, _from_text, judge_claims
+from reports.tradeoffs import fit_matrices, memory_sections
+
+GIB = 2**30
+PROFILES = load_profiles()
+CAPACITIES = capacities_of(PROFILES)
+PRICES = {"a10": Price("a10", 0.9, "2026-01", "test"), "h100-sxm": Price("h100-sxm", 4.0, "2026-01", "test"),
+          "b200": Price("b200", 6.0, "2026-01", "test")}
+
+
+def _row(**kw) -> dict:
+    base = dict(run_id="r", workload="gpt", size="gpt2-1.3b", mode="train", technique="amp-bf16", gpu="a10",
+                source="projected", status="ok", reason="", notes="", batch_size=4, seq_len=2048, world_size=1,
+                precision="bf16-mixed", param_count=1_000_000, params_bytes=4_000_000, grads_bytes=4_000_000,
+                optimizer_bytes=8_000_000, activations_bytes=GIB, temporaries_bytes=0, peak_allocated_bytes=2 * GIB,
+                peak_reserved_bytes=3 * GIB, device_overhead_bytes=512 * 2**20)
+    base.update(kw)
+    if base["status"] == "ok" and "fits" not in kw and base["source"] == "projected":
+        base["fits"] = True
+    return Record(**base).to_dict()
+
+
+def _frame() -> pd.DataFrame:
+    rows = [
+        _row(gpu="a10", throughput_samples_s=10.0, step_time_ms_p50=400.0, step_time_ms_low=200.0,
+             step_time_ms_high=800.0),
+        _row(gpu="h100-sxm", throughput_samples_s=50.0, step_time_ms_p50=80.0),
+        _row(gpu="h100-sxm", technique="baseline", status="oom", fits=False, peak_reserved_bytes=90 * GIB,
+             peak_allocated_bytes=89 * GIB),
+        _row(gpu="b200", technique="baseline", source="measured", throughput_samples_s=100.0, step_time_ms_p50=40.0,
+             step_time_cv=0.05),
+        _row(gpu="b200", technique="baseline", throughput_samples_s=200.0, step_time_ms_p50=20.0),  # its twin
+        _row(gpu="b200", technique="checkpointing", throughput_samples_s=80.0, step_time_ms_p50=50.0,
+             peak_reserved_bytes=2 * GIB, peak_allocated_bytes=GIB),
+        _row(gpu="b200", technique="grad-accumulation", throughput_samples_s=60.0, step_time_ms_p50=66.0,
+             peak_reserved_bytes=int(2.5 * GIB)),  # bigger and slower than checkpointing: off the front
+    ]
+    return cost_rows(records_frame(rows), PRICES)
+
+
+def test_the_picks_are_the_cheapest_hour_the_fastest_and_the_best_value():
+    [answer] = answers(_frame(), CAPACITIES)
+    picks = answer["picks"]
+    assert picks["cheapest"]["gpu"] == "a10"
+    # The measured b200 cell replaces its projected twin (200 samples/s): 100 samples/s, with its noise.
+    assert picks["fastest"]["gpu"] == "b200" and picks["fastest"]["source"] == "measured"
+    assert picks["fastest"]["speed"].startswith("204,800.0 tokens/s (194,560.0 - 215,040.0, run-to-run noise)")
+    # USD per million samples: a10 0.9/10, h100 4/50, b200 6/100 (per hour over samples per second).
+    assert picks["value"]["gpu"] == "b200" and picks["value"]["stack"] == "baseline"
+    # The projected a10 pick carries its interval: a step of 200-800 ms around 400 is 5-20 samples/s.
+    assert "(10,240.0 - 40,960.0, projection interval)" in picks["cheapest"]["speed"]
+    assert picks["cheapest"]["price"] == "$0.90/h, 2026-01"
+    assert answer["fitting"] == 5 and answer["tried"] == 7
+
+
+def test_nothing_fits_is_said():
+    frame = cost_rows(records_frame([_row(gpu="a10", status="oom", fits=False)]), PRICES)
+    [answer] = answers(frame, CAPACITIES)
+    assert answer["picks"] == {"cheapest": None, "fastest": None, "value": None}
+
+
+def test_the_fit_matrix_counts_fitting_cells():
+    [matrix] = fit_matrices(_frame(), CAPACITIES)
+    assert matrix["judged"] == 6 and matrix["fits"] == 5 and "<svg" in matrix["svg"]
+
+
+def test_the_pareto_front_holds_the_stacks_no_other_beats_on_both():
+    [section] = memory_sections(_frame(), CAPACITIES)
+    assert "b200" in section["title"]  # the GPU that was measured
+    # b200: baseline 3 GiB at 100/s (measured), checkpointing 2 GiB at 80/s, grad-accumulation 2.5 GiB at 60/s.
+    assert section["pareto"]["front"] == "checkpointing, baseline"
+
+
+def test_oom_cells_get_the_stacks_that_fit_them():
+    [entry] = oom_advice(_frame(), CAPACITIES)
+    assert entry["cell"] == "gpt gpt2-1.3b train h100-sxm / baseline"
+    assert entry["fixes"][0].startswith("amp-bf16: -87.0 GiB, 80 ms per step (+0% vs the fastest), fits with")
+
+
+def test_every_claim_is_judged_in_order():
+    claims = judge_claims(_frame(), CAPACITIES)
+    assert [c["id"] for c in claims] == list(CLAIMS)
+    by_id = {c["id"]: c for c in claims}
+    # 8 bytes of AdamW state per parameter in the rows: half the guide's 16.
+    assert by_id["C2"]["verdict"] == "contradicted: Adam's state is 2.0x smaller than stated"
+    assert by_id["C13"]["verdict"].startswith("supported") and "max |error|" in by_id["C13"]["found"]
+    # The h100 baseline OOM is fixed by amp-bf16 alone: 1 of 1.
+    assert by_id["C16"]["verdict"] == "contradicted: 100%, not 80%"
+    assert by_id["C12"]["verdict"] == "not measurable here"
+    assert by_id["C1"]["verdict"] == "not measurable here" and "serve-matrix" in by_id["C1"]["found"]
+
+
+def test_a_verdict_judged_elsewhere_keeps_its_words():
+    text = "ptq-int8: supported (loses less than 0.5 pts: +0.06 ± 0.14 pts); qat-int8: inconclusive (spans it)"
+    assert _from_text("C9", text, "accuracy.csv", "")["verdict"] == "ptq-int8: supported; qat-int8: inconclusive"
+    assert _from_text("C1", "contradicted by 3.1x: 13B fits", "m", "")["verdict"] == "contradicted by 3.1x"
+
+
+def _matrix() -> pd.DataFrame:
+    """A serving matrix's rows (harness/serve_matrix.py columns) for a 7B model on two GPUs."""
+    base = dict(size="gpt-7b", technique="bf16-weights+compile", gen_len=128, notes="", max_batch_4k=8,
+                decode_tokens_s_b1=50.0, decode_tokens_s_max=300.0, usd_per_million_tokens_b1=10.0,
+                params_bytes=14e9, peak_reserved_b1_bytes=16e9)
+    return pd.DataFrame([
+        dict(base, gpu="a10", weights="int4", usd_per_hour=0.9, price_date="2026-01", usd_per_million_tokens_max=0.83),
+        dict(base, gpu="h100-sxm", weights="bf16", usd_per_hour=4.0, price_date="2026-01", decode_tokens_s_b1=150.0,
+             decode_tokens_s_max=3000.0, usd_per_million_tokens_max=0.37),
+        dict(base, gpu="b200", weights="bf16", usd_per_hour=6.0, price_date="2026-01", max_batch_4k=0),
+    ])
+
+
+def test_serving_picks_come_from_the_matrix_at_the_reports_prices():
+    prices = {**PRICES, "h100-sxm": Price("h100-sxm", 8.0, "2026-02", "dearer")}
+    [answer] = serving_answers(_matrix(), prices)
+    assert answer["picks"]["cheapest"]["gpu"] == "a10"  # the b200 row holds no batch: not a pick
+    assert answer["picks"]["fastest"]["gpu"] == "h100-sxm" and "150 tokens/s" in answer["picks"]["fastest"]["what"]
+    # h100 costed again at twice its price: 0.74 per million tokens, still below the a10's 0.83.
+    assert answer["picks"]["value"]["gpu"] == "h100-sxm" and answer["picks"]["value"]["cost"] == "$0.74 / M tokens"
+
+
+class _Answers(HTMLParser):
+    """The answer tables of a rendered report: rows of cell texts."""
+
+    def __init__(self, html: str):
+        super().__init__(convert_charrefs=True)
+        self.tables: list[list[list[str]]] = []
+        self._depth = 0
+        self._cell: list[str] | None = None
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table" and "answer" in (dict(attrs).get("class") or ""):
+            self.tables.append([])
+            self._depth = 1
+        elif self._depth and tag == "tr":
+            self.tables[-1].append([])
+        elif self._depth and tag == "td":
+            self._cell = []
+        elif self._depth and tag == "br" and self._cell is not None:
+            self._cell.append(" / ")
+
+    def handle_endtag(self, tag):
+        if self._depth and tag == "td":
+            self.tables[-1][-1].append("".join(self._cell).strip())
+            self._cell = None
+        elif self._depth and tag == "table":
+            self._depth = 0
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+@pytest.fixture(scope="module")
+def buyers_page() -> str:
+    return render([_frame()], matrix=_matrix(), prices=PRICES, profiles=PROFILES)
+
+
+def test_a_reader_finds_what_to_buy_and_what_it_costs(buyers_page):
+    training, serving = ([row for row in table if row] for table in _Answers(buyers_page).tables)
+    row = next(r for r in training if r[:3] == ["gpt", "gpt2-1.3b", "train"])
+    best_value = row[5]
+    # Fine-tuning gpt2-1.3b: best value on a b200 (measured), with USD per million tokens and the dated price.
+    assert best_value.startswith("b200 · baseline") and "/ M tokens" in best_value and "$6.00/h, 2026-01" in best_value
+    seven_b = next(r for r in serving if r[0] == "gpt-7b")
+    assert seven_b[3].startswith("h100-sxm · bf16 weights") and "$0.37 / M tokens" in seven_b[3]
