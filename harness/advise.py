@@ -54,7 +54,9 @@ def fix_line(stack: str, target: dict, fix: dict, reference: float | None = None
         parts.append(f"{fix['step_ms'] / target['step_ms'] - 1:+.0%} step time,")
     elif fix.get("step_ms") and reference:
         # A cell that does not fit has no step time of its own: compare with the fastest fix instead.
-        parts.append(f"{fix['step_ms']:,.0f} ms per step ({fix['step_ms'] / reference - 1:+.0%} vs the fastest),")
+        versus = "the fastest" if fix["step_ms"] == reference else \
+            f"{fix['step_ms'] / reference - 1:+.0%} vs the fastest"
+        parts.append(f"{fix['step_ms']:,.0f} ms per step ({versus}),")
     elif fix.get("step_ms"):
         parts.append(f"{fix['step_ms']:,.0f} ms per step,")
     parts.append(f"fits with {gib(fix['left'])} left")
@@ -92,7 +94,8 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
     from harness.profiles import resolve_gpus
     from harness.project.query import projected_rows
 
-    chosen = resolve_gpus([request.gpu], profiles)
+    # An exact id wins over a family of the same name (`h200` is the SXM's id and the family of two).
+    chosen = [profiles[request.gpu]] if request.gpu in profiles else resolve_gpus([request.gpu], profiles)
     if len(chosen) != 1:
         raise ValueError(f"advise answers for one GPU; {request.gpu!r} names {len(chosen)}: "
                          + ", ".join(p.id for p in chosen))
@@ -109,19 +112,29 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
         raise ValueError(f"{request.technique} on {profile.id}: {record.status}: {record.reason}")
     target = _summary(record, capacity)
     if record.status == "oom" or (target["left"] is not None and target["left"] < 0):
-        stacks = [s for s in (TRAIN_STACKS if request.mode == "train" else INFER_STACKS) if s != request.technique]
+        stacks = [s for s in candidate_stacks(request.mode, profile) if s != request.technique]
         fixes = [_summary(project(technique=stack), capacity) for stack in stacks]
         lines = rank_fixes(target, [f for f in fixes if f["status"] == "ok"])
+        unsupported = sum(f["status"] == "unsupported" for f in fixes)
+        skipped = f" ({unsupported} unsupported on {profile.id})" if unsupported else ""
         short = gib(-target["left"]) if target["left"] is not None else "unknown"
         headline = (f"{request.technique} does not fit on {profile.id}: short by {short}; "
-                    + (f"{len(lines)} of {len(stacks)} stacks tried make it fit" if lines else
-                       f"none of the {len(stacks)} stacks tried makes it fit: a larger GPU or several "
+                    + (f"{len(lines)} of {len(stacks)} stacks tried make it fit{skipped}" if lines else
+                       f"none of the {len(stacks)} stacks tried makes it fit{skipped}: a larger GPU or several "
                        "(headroom project --min-gpus) is needed"))
         return Advice(profile.id, target, lines, headline)
+    speed = f", {record.step_time_ms_p50:,.0f} ms per step" if record.step_time_ms_p50 else ""
+    cost = f", ${record.usd_per_million_samples:,.2f} per million samples" if record.usd_per_million_samples else ""
     return Advice(profile.id, target, _when_it_fits(request, record, profile, profiles, project, capacity),
-                  f"{request.technique} fits on {profile.id} with {gib(target['left'])} left "
-                  f"({record.step_time_ms_p50:,.0f} ms per step)" if record.step_time_ms_p50 else
-                  f"{request.technique} fits on {profile.id} with {gib(target['left'])} left")
+                  f"{request.technique} fits on {profile.id} with {gib(target['left'])} left{speed}{cost}")
+
+
+def candidate_stacks(mode: str, profile) -> list[str]:
+    """The stacks to try on `profile`: in fp16 where it has no bf16 (T4, V100), as people run them there."""
+    stacks = TRAIN_STACKS if mode == "train" else INFER_STACKS
+    if not profile.has("bf16"):
+        stacks = [s.replace("amp-bf16", "amp-fp16").replace("bf16-weights", "fp16-weights") for s in stacks]
+    return list(dict.fromkeys(stacks))
 
 
 def _when_it_fits(request, record, profile, profiles, project, capacity) -> list[str]:
@@ -133,20 +146,28 @@ def _when_it_fits(request, record, profile, profiles, project, capacity) -> list
             lines.append(f"a larger batch fits: up to {largest.batch_size} (now {record.batch_size}), "
                          f"{largest.throughput_samples_s or 0:,.1f} samples/s")
     price = profile.per_device().usd_per_hour
+    if price is None:
+        lines.append(f"no price is known for {profile.id}: which GPU is cheaper cannot be said "
+                     "(headroom report --prices prices rows at yours)")
+        return lines
     needed = (record.peak_reserved_bytes or 0) + (record.device_overhead_bytes or 0)
-    cheaper = sorted((p for p in profiles.values() if p.id != profile.id and p.vendor != "cpu"
-                      and p.usd_per_hour and (price is None or p.per_device().usd_per_hour < price)
-                      and (p.per_device().capacity_bytes or 0) >= needed * 0.95),
-                     key=lambda p: p.per_device().usd_per_hour)
+    cheaper = [p for p in profiles.values() if p.id != profile.id and p.vendor != "cpu" and p.usd_per_hour
+               and p.per_device().usd_per_hour < price and (p.per_device().capacity_bytes or 0) >= needed * 0.95]
+    found = []
     for other in cheaper:
         result = project(gpu=other.id)
         left = memory_left(result.peak_reserved_bytes, result.device_overhead_bytes,
                            other.per_device().capacity_bytes, result.peak_allocated_bytes, result.fits)
         if result.status == "ok" and left is not None and left >= 0:
-            cost = f", ${result.usd_per_million_samples:,.2f} per million samples" \
-                if result.usd_per_million_samples else ""
-            lines.append(f"a cheaper GPU holds it: {other.id} (${other.per_device().usd_per_hour:,.2f}/h, "
-                         f"{other.price_date}) with {gib(left)} left, {result.step_time_ms_p50:,.0f} ms per step{cost}")
+            found.append((result.usd_per_million_samples or float("inf"), other, result, left))
+    # Cheaper by the hour is not cheaper per sample when it is slower: ranked, and said, per sample.
+    for usd, other, result, left in sorted(found, key=lambda item: item[0]):
+        verdict = "" if not record.usd_per_million_samples or usd == float("inf") else \
+            (" (cheaper per sample too)" if usd < record.usd_per_million_samples else " (dearer per sample: slower)")
+        step = f", {result.step_time_ms_p50:,.0f} ms per step" if result.step_time_ms_p50 else ""
+        cost = f", ${usd:,.2f} per million samples" if usd != float("inf") else ""
+        lines.append(f"a cheaper GPU holds it: {other.id} (${other.per_device().usd_per_hour:,.2f}/h, "
+                     f"{other.price_date}) with {gib(left)} left{step}{cost}{verdict}")
     if not lines:
         lines.append(f"no larger batch and no cheaper GPU profile with a price holds {request.technique}")
     return lines

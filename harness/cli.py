@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="technique stacks such as baseline,amp-bf16+checkpointing or recipes such as small-model; "
                           "'all' for every technique and recipe (default: baseline, amp-bf16, amp-fp16, "
                           "checkpointing, grad-accumulation)")
-    run.add_argument("--gpu", type=_csv, default=None, help="profile ids or families (default: the local device)")
+    run.add_argument("--gpu", type=_csv, default=None, help="profile ids, families or all (default: the local device)")
     run.add_argument("--scale", default=None, help="smoke|standard|large (default: smoke on CPU, standard on GPU)")
     run.add_argument("--mode", type=_csv, default=["train", "infer"], help="train, infer or both (default)")
     run.add_argument("--batch-size", type=_count, default=None, help="override every size's default batch")

@@ -21,39 +21,49 @@ PRICE_COLUMNS = ("gpu", "usd_per_hour", "date", "source")
 
 @dataclass(frozen=True)
 class Price:
-    """USD per hour for one device of a profile (a package of several devices is shared among them)."""
+    """USD per hour for a GPU as it is rented (a package: an MI250X is one GPU of two devices)."""
     gpu: str
     usd_per_hour: float
     date: str
     source: str
     basis: str = PRICE_BASIS
+    devices: int = 1  # devices in the package; each cell runs on one and pays its share
+
+    @property
+    def per_device(self) -> float:
+        return self.usd_per_hour / self.devices
 
     @property
     def label(self) -> str:
         """`$3.78/h, 2026-05-07`: what the report prints beside a cost."""
-        return f"${self.usd_per_hour:,.2f}/h, {self.date}"
+        share = f" (${self.per_device:,.2f} per device)" if self.devices > 1 else ""
+        return f"${self.usd_per_hour:,.2f}/h{share}, {self.date}"
 
 
 def profile_prices(profiles: dict[str, GpuProfile]) -> dict[str, Price]:
-    """The profiles' own prices, per device, for the profiles that have one."""
-    return {pid: Price(pid, profile.per_device().usd_per_hour, profile.price_date, profile.price_source)
+    """The profiles' own prices, for the profiles that have one."""
+    return {pid: Price(pid, profile.usd_per_hour, profile.price_date, profile.price_source,
+                       devices=profile.devices_per_package)
             for pid, profile in profiles.items() if profile.usd_per_hour}
 
 
 def read_prices(path: Path, profiles: dict[str, GpuProfile]) -> dict[str, Price]:
     """A CSV file with columns gpu, usd_per_hour, date, source (and optionally basis), one row per
-    profile id. Every problem is one line naming the file, the row and what to write instead."""
+    profile id, each the GPU's price as rented (a whole MI250X package). Every problem is one line
+    naming the file, the row and what to write instead."""
     path = Path(path)
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
-            rows = list(csv.DictReader(handle))
-            header = rows[0].keys() if rows else []
+        with path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: a spreadsheet's byte-order mark
+            reader = csv.DictReader(handle)
+            rows, header = list(reader), reader.fieldnames or []
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise ValueError(f"--prices {path}: cannot read it ({exc})") from None
     missing = [c for c in PRICE_COLUMNS if c not in header]
-    if not rows or missing:
+    if missing:
         raise ValueError(f"--prices {path}: expected a CSV with columns {', '.join(PRICE_COLUMNS)} (and optionally "
-                         f"basis), one row per GPU; missing: {', '.join(missing) or 'rows'}")
+                         f"basis), one row per GPU; missing: {', '.join(missing)}")
+    if not rows:
+        raise ValueError(f"--prices {path}: no prices under the header; add one row per GPU")
     prices = {}
     for number, row in enumerate(rows, start=2):  # line 1 is the header
         where = f"--prices {path} line {number}"
@@ -72,8 +82,7 @@ def read_prices(path: Path, profiles: dict[str, GpuProfile]) -> dict[str, Price]
         basis = (row.get("basis") or PRICE_BASIS).strip()
         if gpu in prices:
             raise ValueError(f"{where}: {gpu} is priced twice; keep one row per GPU")
-        # A package of several devices (MI250X) is rented whole; each device's share is what one cell uses.
-        prices[gpu] = Price(gpu, usd / profiles[gpu].devices_per_package, date, source, basis)
+        prices[gpu] = Price(gpu, usd, date, source, basis, devices=profiles[gpu].devices_per_package)
     return prices
 
 
@@ -105,7 +114,7 @@ def cost_rows(frame: pd.DataFrame, prices: dict[str, Price]) -> pd.DataFrame:
         if price is None or _missing(throughput) or throughput <= 0:
             return None, None
         devices = 1 if _missing(row.get("world_size")) else float(row["world_size"])
-        per_million = price.usd_per_hour * devices / 3600 / throughput * 1e6
+        per_million = price.per_device * devices / 3600 / throughput * 1e6
         tokens = tokens_per_sample(row)
         return per_million, per_million / tokens if tokens else None
 
@@ -113,7 +122,7 @@ def cost_rows(frame: pd.DataFrame, prices: dict[str, Price]) -> pd.DataFrame:
     pairs = [costs(row) for _, row in frame.iterrows()]
     frame["usd_per_million_samples"] = [pair[0] for pair in pairs]
     frame["usd_per_million_tokens"] = [pair[1] for pair in pairs]
-    frame["usd_per_hour"] = [prices[g].usd_per_hour if g in prices else None for g in frame["gpu"]]
+    frame["usd_per_hour"] = [prices[g].per_device if g in prices else None for g in frame["gpu"]]
     frame["price_label"] = [prices[g].label if g in prices else "no price known" for g in frame["gpu"]]
     frame["price_source"] = [prices[g].source if g in prices else None for g in frame["gpu"]]
     return frame

@@ -454,11 +454,15 @@ def resolve_gpus(names: list[str], profiles: dict[str, GpuProfile]) -> list[GpuP
     """Expand ids and family names into profiles (order kept, duplicates dropped); ValueError otherwise.
 
     A family name takes every variant, also where one variant's id is the family's name (`h200` is
-    the SXM's id and the family of the SXM and the NVL), so `bench-h200` covers both."""
+    the SXM's id and the family of the SXM and the NVL), so `bench-h200` covers both; `all` is every GPU."""
     fams = families(profiles)
     chosen: dict[str, GpuProfile] = {}
     for name in names:
-        if name in fams:
+        if name == "all" and "all" not in profiles:  # every GPU profile (the CPU is not one to buy)
+            for profile in profiles.values():
+                if profile.vendor != "cpu":
+                    chosen.setdefault(profile.id, profile)
+        elif name in fams:
             for profile in fams[name]:
                 chosen.setdefault(profile.id, profile)
         elif name in profiles:

@@ -1,12 +1,13 @@
 """OOM advice in the report: for every cell that does not fit, the stacks among the report's own rows
 that fit the same model on the same GPU, ranked by step time (harness/advise.py ranks and words them,
-as `headroom advise` does for a cell it projects)."""
+as `headroom advise` does for a cell it projects, trying more stacks than a run's rows hold)."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from harness.advise import memory_left, rank_fixes
+from reports.cells import gpu_cells
 
 CELL = ["workload", "size", "mode", "gpu"]
 
@@ -29,9 +30,7 @@ def oom_advice(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
     """One entry per OOM cell on a GPU profile: the cell, how short it is, and the ranked fixes found."""
     if not len(frame):
         return []
-    rows = frame[frame["gpu"].isin(capacities)]
-    if "rank" in rows:
-        rows = rows[rows["rank"].isna()]
+    rows = gpu_cells(frame, capacities)
     entries = []
     for key, group in rows.groupby(CELL, sort=False):
         fitting = group[group["status"] == "ok"]
@@ -43,4 +42,5 @@ def oom_advice(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
             entries.append({"cell": " ".join(str(k) for k in key) + f" / {oom['technique']}",
                             "short": "unknown" if target["left"] is None else f"{-target['left'] / 2**30:,.1f} GiB",
                             "fixes": lines[:3], "more": max(0, len(lines) - 3)})
-    return entries
+    # The cells a stack in these rows rescues first; the rest need what the rows did not try.
+    return sorted(entries, key=lambda entry: not entry["fixes"])

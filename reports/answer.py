@@ -13,9 +13,9 @@ import pandas as pd
 from harness.advise import memory_left
 from harness.prices import tokens_per_sample
 from reports import format as fmt
+from reports.cells import gpu_cells
 
 IDENTITY = ["workload", "size", "mode"]
-CELL = ["gpu", "technique", "batch_size", "world_size"]
 
 
 def candidates(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
@@ -23,14 +23,10 @@ def candidates(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
     throughput, measured cells replacing their projected twins, with memory left and throughput bounds."""
     if not len(frame):
         return frame
-    rows = frame[frame["gpu"].isin(capacities) & (frame["status"] == "ok")]
-    if "rank" in rows:
-        rows = rows[rows["rank"].isna()]  # a parallel cell's own row (the maximum over its ranks)
+    rows = gpu_cells(frame, capacities)
+    rows = rows[rows["status"] == "ok"]
     rows = rows[pd.to_numeric(rows["throughput_samples_s"], errors="coerce").fillna(0) > 0]
-    rows = rows[~rows["fits"].eq(False).fillna(False)] if "fits" in rows else rows
-    keys = rows[IDENTITY + CELL].astype(str).agg("|".join, axis=1)
-    measured = set(keys[rows["source"] == "measured"])
-    rows = rows[(rows["source"] == "measured") | ~keys.isin(measured)].copy()
+    rows = (rows[~rows["fits"].eq(False).fillna(False)] if "fits" in rows else rows).copy()
     throughput = pd.to_numeric(rows["throughput_samples_s"], errors="coerce").astype(float)
     p50 = pd.to_numeric(rows["step_time_ms_p50"], errors="coerce").astype(float)
     low = pd.to_numeric(rows.get("step_time_ms_low"), errors="coerce").astype(float)
@@ -39,7 +35,8 @@ def candidates(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
     measured_rows = rows["source"] == "measured"
     # Samples per step are fixed, so throughput scales with 1 / step time: the slow end of the step
     # interval is the low end of the throughput's.
-    rows["throughput_low"] = (throughput * p50 / high).where(~measured_rows, throughput * (1 - cv))
+    # Noise past 100% would make the slow end zero or negative: no lower bound then.
+    rows["throughput_low"] = (throughput * p50 / high).where(~measured_rows, throughput * (1 - cv).where(cv < 1))
     rows["throughput_high"] = (throughput * p50 / low).where(~measured_rows, throughput * (1 + cv))
     rows["memory_left_bytes"] = [
         memory_left(row.get("peak_reserved_bytes"), row.get("device_overhead_bytes"), capacities[row["gpu"]],
@@ -55,39 +52,68 @@ def _pick(rows: pd.DataFrame, by: str, ascending: bool):
     return None if ranked.empty else ranked.iloc[0]
 
 
-def describe(row, language: bool) -> dict:
+def _bounds(row) -> tuple[float, float] | None:
+    """The throughput range of a candidate, None where it has none (or a lower end at or below zero)."""
+    low, high = row["throughput_low"], row["throughput_high"]
+    if fmt.missing(low) or fmt.missing(high) or float(low) <= 0:
+        return None
+    return float(low), float(high)
+
+
+def _ties(rows: pd.DataFrame, pick, per: str) -> int:
+    """Other cells whose range overlaps the pick's: `per` is `speed` (throughput) or `cost` (USD per
+    sample, the inverse of throughput at each one's price), so an overlap is no verdict between them."""
+    mine = _bounds(pick)
+    if mine is None:
+        return 0
+    count = 0
+    for index, row in rows.iterrows():
+        theirs = _bounds(row)
+        if index == pick.name or theirs is None:
+            continue
+        if per == "cost":
+            if fmt.missing(row["usd_per_million_samples"]) or fmt.missing(pick["usd_per_million_samples"]):
+                continue
+            scale = lambda r: float(r["usd_per_million_samples"]) * float(r["throughput_samples_s"])  # noqa: E731
+            mine_cost = (scale(pick) / mine[1], scale(pick) / mine[0])
+            theirs_cost = (scale(row) / theirs[1], scale(row) / theirs[0])
+            count += theirs_cost[0] <= mine_cost[1] and mine_cost[0] <= theirs_cost[1]
+        else:
+            count += theirs[0] <= mine[1] and mine[0] <= theirs[1]
+    return count
+
+
+def describe(row, language: bool, ties: int = 0) -> dict:
     """One pick as the report shows it: what to run, how fast, at what cost, with its range."""
     throughput = float(row["throughput_samples_s"])
-    low, high = row["throughput_low"], row["throughput_high"]
-    ranged = not fmt.missing(low) and not fmt.missing(high)
+    bounds = _bounds(row)
     usd = row["usd_per_million_samples"]
-    per_token = row.get("usd_per_million_tokens")
-    cost = fmt.usd(per_token) + " / M tokens" if language and not fmt.missing(per_token) else \
-        fmt.usd(usd) + " / M samples"
-    if ranged and not fmt.missing(usd):
-        worst, best = float(usd) * throughput / float(low), float(usd) * throughput / float(high)
-        scale = float(per_token) / float(usd) if language and not fmt.missing(per_token) else 1.0
-        cost += f" ({fmt.usd(best * scale)} - {fmt.usd(worst * scale)})"
+    # Language models read in tokens (generated tokens for a served decoder), the rest in samples.
+    tokens = tokens_per_sample(row) if language else None
+    scale, unit = (tokens, "tokens") if tokens else (1.0, "samples")
+    cost = "no price known"
+    if not fmt.missing(usd):
+        cost = f"{fmt.usd(float(usd) / scale)} / M {unit}"
+        if bounds:
+            cost += f" ({fmt.usd(float(usd) * throughput / bounds[1] / scale)} - " \
+                    f"{fmt.usd(float(usd) * throughput / bounds[0] / scale)})"
     devices = int(row["devices"])
     gpus = f"{devices} x {row['gpu']}" if devices > 1 else str(row["gpu"])
-    # Language models read in tokens/s (generated tokens for a served decoder), the rest in samples/s.
-    tokens = tokens_per_sample(row) if language else None
-    scale, unit = (tokens, "tokens/s") if tokens else (1.0, "samples/s")
-    speed = f"{fmt.number(throughput * scale, 1)} {unit}"
-    if ranged:
-        speed += f" ({fmt.number(float(low) * scale, 1)} - {fmt.number(float(high) * scale, 1)}, " + \
+    speed = f"{fmt.number(throughput * scale, 1)} {unit}/s"
+    if bounds:
+        speed += f" ({fmt.number(bounds[0] * scale, 1)} - {fmt.number(bounds[1] * scale, 1)}, " + \
             ("run-to-run noise" if row["source"] == "measured" else "projection interval") + ")"
     return {
         "gpu": gpus, "stack": str(row["technique"]), "source": str(row["source"]),
-        "batch": fmt.text(row["batch_size"]), "speed": speed,
-        "cost": cost if not fmt.missing(usd) else "no price known",
+        "batch": fmt.text(row["batch_size"]), "speed": speed, "cost": cost,
         "price": str(row.get("price_label")) if not fmt.missing(usd) else "",
         "left": fmt.bytes_(row["memory_left_bytes"]),
+        "ties": f"{ties} other{'s' if ties != 1 else ''} within its range" if ties else "",
     }
 
 
 def answers(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
-    """Per workload, size and mode: the cheapest, fastest and best-value picks (None where no cell fits)."""
+    """Per workload, size and mode: the cheapest, fastest and best-value picks; where there is none, why."""
     rows = candidates(frame, capacities)
     result = []
     if not len(frame):
@@ -96,18 +122,21 @@ def answers(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
         if not set(group["gpu"]) & set(capacities):
             continue  # only CPU cells: nothing to buy from them
         fitting = rows[(rows["workload"] == workload) & (rows["size"] == size) & (rows["mode"] == mode)]
-        language = fitting["usd_per_million_tokens"].notna().any() if len(fitting) else False
+        language = bool(len(fitting)) and any(tokens_per_sample(row) for _, row in fitting.iterrows())
         priced = fitting.assign(hourly=fitting["usd_per_hour"] * fitting["devices"]) if len(fitting) else fitting
         picks = {
             "cheapest": _pick(priced, "hourly", True) if len(priced) else None,
             "fastest": _pick(fitting, "throughput_samples_s", False) if len(fitting) else None,
             "value": _pick(fitting, "usd_per_million_samples", True) if len(fitting) else None,
         }
+        per = {"cheapest": None, "fastest": "speed", "value": "cost"}
+        why = "nothing tried fits" if not len(fitting) else "no GPU it fits on has a price"
         tried = group[group["gpu"].isin(capacities)]
         result.append({
             "workload": str(workload), "size": str(size), "mode": str(mode),
-            "picks": {name: describe(row, language) if row is not None else None for name, row in picks.items()},
-            "fitting": len(fitting), "tried": len(tried),
+            "picks": {name: describe(row, language, _ties(fitting, row, per[name]) if per[name] else 0)
+                      if row is not None else None for name, row in picks.items()},
+            "why": why, "fitting": len(fitting), "tried": len(tried),
         })
     return result
 
@@ -134,7 +163,7 @@ def cost_charts(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
             points.append({"gpu": str(row["gpu"]), "size": str(row["size"]), "cost": cost,
                            "low": cost * throughput / float(high) if ranged else None,
                            "high": cost * throughput / float(low) if ranged else None,
-                           "measured": row["source"] == "measured"})
+                           "measured": str(row["source"]) == "measured"})
         unit = "tokens" if language else "samples"
         title = f"{workload} {mode}: USD per million {unit} on each GPU"
         charts.append({"name": f"cost-{workload}-{mode}", "title": title,
@@ -155,7 +184,7 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
         if column not in rows:  # an older or hand-made matrix: that figure is unknown
             rows[column] = float("nan")
     old = pd.to_numeric(rows["usd_per_hour"], errors="coerce").astype(float)
-    new = rows["gpu"].map(lambda g: prices[g].usd_per_hour if g in prices else float("nan")).astype(float)
+    new = rows["gpu"].map(lambda g: prices[g].per_device if g in prices else float("nan")).astype(float)
     rows["usd"] = pd.to_numeric(rows["usd_per_million_tokens_max"], errors="coerce").astype(float) * new / old
     rows["hourly"] = new
     rows["price"] = rows["gpu"].map(lambda g: prices[g].label if g in prices else "")

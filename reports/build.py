@@ -47,7 +47,9 @@ ENV_COLUMNS = ["device_name", "torch_version", "cuda_version", "driver_version",
 
 
 def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    from harness.records import records_frame
+
+    return pd.concat(frames, ignore_index=True) if frames else records_frame([])  # no frames: no rows, every column
 
 
 def projection_accuracy(frame: pd.DataFrame) -> list[dict]:
@@ -96,7 +98,8 @@ def capacities_of(profiles: dict) -> dict[str, int]:
 def price_rows(prices: dict, profiles: dict, frame: pd.DataFrame) -> list[dict]:
     """Every GPU in the rows with the price costs are computed at, or why there is none."""
     gpus = sorted(set(frame["gpu"].dropna()) & set(capacities_of(profiles))) if len(frame) else []
-    return [{"GPU": gpu, "USD per GPU-hour": fmt.usd(prices[gpu].usd_per_hour) if gpu in prices else fmt.EMPTY,
+    return [{"GPU": gpu, "USD per GPU-hour (as rented)": prices[gpu].label.rsplit(", ", 1)[0] if gpu in prices
+             else fmt.EMPTY,
              "date": prices[gpu].date if gpu in prices else fmt.EMPTY,
              "basis": prices[gpu].basis if gpu in prices else fmt.EMPTY,
              "source": prices[gpu].source if gpu in prices else
@@ -108,7 +111,7 @@ def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_
     advice, prices and the guide's claims judged (reports/answer.py, tradeoffs.py, advice.py, claims.py)."""
     from reports.advice import oom_advice
     from reports.answer import answers, cost_charts
-    from reports.claims import judge_claims
+    from reports.claims import judge_claims, single_gpu_cells, strategy_table
     from reports.tradeoffs import fit_matrices, memory_sections
 
     capacities = capacities_of(profiles)
@@ -117,6 +120,7 @@ def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_
         "fit_matrices": fit_matrices(frame, capacities), "memory": memory_sections(frame, capacities),
         "advice": oom_advice(frame, capacities), "prices": price_rows(prices, profiles, frame),
         "claims": judge_claims(frame, capacities, **claims_from),
+        "strategy": strategy_table(single_gpu_cells(frame, capacities)) if len(frame) else [],
     }
 
 
@@ -183,6 +187,7 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
         "intervals": interval_summary(frame) if len(frame) else [],
         "serving_answers": serving_answers(matrix, prices),
         **decision_sections(frame, profiles, prices, claims_from),
+        "price_basis": ", ".join(sorted({price.basis for price in prices.values()})) or "on-demand",
     }
 
 

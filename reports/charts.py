@@ -18,7 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 GIB = 2**30
 # One colour per memory category, in the order the stacked bars draw them.
 CATEGORY_COLOURS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer": "#55a868",
-                    "activations": "#c44e52", "temporaries": "#8172b3", "allocator overhead": "#bbbbbb"}
+                    "KV cache": "#937860", "activations": "#c44e52", "temporaries": "#8172b3",
+                    "allocator overhead": "#bbbbbb"}
 
 
 def svg_of(figure) -> str:
@@ -43,14 +44,15 @@ def cost_dots(points: list[dict], title: str, unit: str) -> str:
             error = [[point["cost"] - point["low"]], [point["high"] - point["cost"]]] \
                 if point["low"] is not None and point["high"] is not None else None
             axis.errorbar(point["cost"], y, xerr=error, fmt="o", color=colour, markersize=5, elinewidth=0.8,
-                          markerfacecolor=colour if point["measured"] else "white",
+                          markerfacecolor=colour if point["measured"] is True else "white",
                           label=size if point is next(p for p in points if p["size"] == size) else None)
     axis.set_xscale("log")
     # Minor ticks stay unlabelled: over a narrow range their labels (2.4e-2, 2.5e-2...) run into each other.
     axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axis.set_yticks(range(len(gpus)), gpus, fontsize=8)
     axis.invert_yaxis()  # cheapest on top
-    axis.set_xlabel(f"USD per million {unit} (best stack per GPU; bars: projection interval or noise)", fontsize=8)
+    axis.set_xlabel(f"USD per million {unit}: best stack per GPU; hollow projected, filled measured; "
+                    "bars: projection interval or noise", fontsize=7)
     axis.set_title(title, fontsize=9)
     axis.grid(axis="x", alpha=0.3)
     axis.legend(fontsize=7, loc="lower right", title="size", title_fontsize=7)
@@ -88,7 +90,8 @@ def memory_bars(stacks: list[str], parts: dict[str, list[float]], title: str) ->
     axis.invert_yaxis()
     axis.set_xlabel("GiB at the step's peak", fontsize=8)
     axis.set_title(title, fontsize=9)
-    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
+    if parts:  # rows without a breakdown (all figures unknown) draw empty bars and no legend
+        axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     figure.tight_layout()
     return svg_of(figure)
 

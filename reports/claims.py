@@ -26,7 +26,8 @@ CLAIMS = {
     "C10": "on MI250X, 2:4 sparsity gives 1.6x speed and halves memory",
     "C11": "2-way tensor parallelism takes a GPT-3 layer's memory from 350 GB to 175 GB",
     "C12": "sequence parallelism saves 40% memory on T5-XXL at sequence length 1024",
-    "C13": "the guide's tensor-parallel sample is a correct column-parallel layer",
+    "C13": "its tensor-parallel sample (input chunked per rank, the local output repeated world-size times) "
+           "computes a column-parallel layer",
     "C14": "strategy by size: <1B mixed precision + checkpointing; 1-10B tensor parallelism + quantisation; "
            ">10B 3D parallelism",
     "C15": "for training an A100 80GB beats an H100 80GB; for inference a T4 is better value than an A10",
@@ -39,13 +40,11 @@ def _numbers(frame: pd.DataFrame, column: str) -> pd.Series:
         pd.Series(float("nan"), index=frame.index)
 
 
-def _cells(frame: pd.DataFrame, capacities: dict) -> pd.DataFrame:
-    """Single-device rows on GPU profiles, measured rows replacing projected twins."""
-    rows = frame[frame["gpu"].isin(capacities)]
-    if "rank" in rows:
-        rows = rows[rows["rank"].isna()]
-    rows = rows.sort_values("source", key=lambda s: s.ne("measured"), kind="stable")
-    return rows.drop_duplicates(["workload", "size", "mode", "technique", "gpu", "batch_size"], keep="first")
+def single_gpu_cells(frame: pd.DataFrame, capacities: dict) -> pd.DataFrame:
+    """Single-device rows on GPU profiles, measured rows replacing projected twins (reports/cells.py)."""
+    from reports.cells import gpu_cells
+
+    return gpu_cells(frame, capacities, single_device=True)
 
 
 def _pairs(rows: pd.DataFrame, technique: str, against: str = "baseline") -> pd.DataFrame:
@@ -127,16 +126,24 @@ def judge_c3(rows: pd.DataFrame) -> dict:
         return _judged("C3", "no gpt3-175b training rows", "none",
                        "not measurable here: project it (headroom run --size gpt3-175b --gpu a100-sxm4-80gb)")
     row = big.sort_values("technique").iloc[0]
-    batch = float(row["batch_size"])
-    activations = float(row["activations_bytes"]) * 1024 / batch
-    found = (f"{row['technique']}: parameters {float(row['params_bytes']) / GB:,.0f} GB (fp32 master copy), "
-             f"optimizer {float(row['optimizer_bytes']) / GB:,.0f} GB, "
-             f"gradients {float(row['grads_bytes']) / GB:,.0f} GB; "
-             f"activations {float(row['activations_bytes']) / GB:,.0f} GB at batch {batch:.0f}, "
-             f"{activations / GB / 1000:,.0f} TB scaled to batch 1024 without checkpointing")
-    optimizer = float(row["optimizer_bytes"]) / (2800 * GB)
-    verdict = (f"contradicted: optimizer state {optimizer:.2f}x the stated 2,800 GB and activations at batch 1024 "
-               f"{activations / (500 * GB):,.0f}x the stated 500 GB; the total is indeed above 3 TB")
+    number = lambda name: float(pd.to_numeric(row.get(name), errors="coerce"))  # noqa: E731  (NaN where unknown)
+    batch, params, optimizer, activations = (number(n) for n in ("batch_size", "params_bytes", "optimizer_bytes",
+                                                                "activations_bytes"))
+    at_1024 = activations * 1024 / batch if batch > 0 else float("nan")
+    found = (f"{row['technique']}: parameters {params / GB:,.0f} GB (fp32 master copy), "
+             f"optimizer {optimizer / GB:,.0f} GB, gradients {number('grads_bytes') / GB:,.0f} GB; "
+             f"activations {activations / GB:,.0f} GB at batch {batch:.0f}, "
+             f"{at_1024 / GB / 1000:,.0f} TB scaled linearly to batch 1024 without checkpointing")
+    # Each stated figure against the rows', within 10%: parameters 350 GB, optimizer 2,800 GB, activations
+    # 500 GB at batch 1024, and the total above 3 TB.
+    parts = {"parameters": (params, 350 * GB), "optimizer state": (optimizer, 2800 * GB),
+             "activations at batch 1024": (at_1024, 500 * GB)}
+    off = [f"{name} {ours / stated:.2f}x the stated" for name, (ours, stated) in parts.items()
+           if ours == ours and abs(ours / stated - 1) > 0.1]
+    total = params + optimizer + number("grads_bytes") + at_1024
+    verdict = ("supported" if not off else "contradicted: " + ", ".join(off)) + \
+        (f"; the total, {total / 1e12:,.0f} TB, is above 3 TB as stated" if total > 3e12 else
+         f"; the total, {total / 1e12:,.1f} TB, is not above 3 TB")
     return _judged("C3", found, f"1 {row['source']} row ({row['technique']} on {row['gpu']})", verdict)
 
 
@@ -242,29 +249,61 @@ def judge_c13() -> dict:
                           f"max |error| {error:.2f}; sharding the weight and gathering gives "
                           f"{(gathered - whole).abs().max().item():.1g}",
                    "computed here (tests/test_parallel.py runs it on 2 processes)",
-                   "supported (the sample is wrong, as the guide's correction says)")
+                   "contradicted: the sample is wrong (GUIDE.md C13's correction holds)")
 
 
-def judge_c14(rows: pd.DataFrame) -> dict:
-    train = rows[(rows["mode"] == "train") & (_numbers(rows, "param_count") > 0)]
-    if not len(train):
-        return _judged("C14", "no training rows", "none", "not measurable here")
-    findings = []
-    for label, low, high, guide in (("<1B", 0, 1e9, "amp+checkpointing"), ("1-10B", 1e9, 1e10, "TP+quantisation"),
-                                    (">10B", 1e10, float("inf"), "3D parallelism")):
+# The guide's strategy table (C14): parameter bucket -> (its recommendation, the techniques that mark it).
+STRATEGY = (("<1B", 0, 1e9, "mixed precision + checkpointing"), ("1-10B", 1e9, 1e10, "tensor parallelism + "
+            "quantisation"), (">10B", 1e10, float("inf"), "3D parallelism (+ expert parallelism)"))
+
+
+def strategy_table(rows: pd.DataFrame) -> list[dict]:
+    """Per model-size bucket: the sizes in the rows, the guide's recommendation, what the rows recommend
+    (the best-value single-GPU training stack, or that no single GPU holds it) and whether they agree."""
+    train = rows[(rows["mode"] == "train") & (_numbers(rows, "param_count") > 0)] if len(rows) else rows
+    table = []
+    for label, low, high, guide in STRATEGY:
         part = train[(_numbers(train, "param_count") >= low) & (_numbers(train, "param_count") < high)]
         if not len(part):
             continue
-        ok = part[part["status"] == "ok"]
+        ok = part[part["status"] == "ok"].assign(usd=lambda f: _numbers(f, "usd_per_million_samples"))
+        sizes = ", ".join(dict.fromkeys(part["size"]))
         if not len(ok):
-            findings.append(f"{label}: nothing tried fits one GPU (guide: {guide})")
-            continue
-        ranked = ok.assign(usd=_numbers(ok, "usd_per_million_samples")).dropna(subset=["usd"])
-        best = ranked.sort_values("usd").groupby("size").head(1)["technique"].value_counts() if len(ranked) else None
-        winner = best.index[0] if best is not None and len(best) else ok["technique"].value_counts().index[0]
-        findings.append(f"{label}: {winner} is the best value on one GPU (guide: {guide})")
-    return _judged("C14", "; ".join(findings), f"{len(train)} training rows", "partly supported: single-GPU stacks "
-                   "are judged; tensor, pipeline and 3D parallelism are not projected yet")
+            found, verdict = "no single-GPU stack tried fits any GPU: several GPUs are needed", \
+                "agrees" if label == ">10B" else "disagrees: one GPU is not enough"
+        else:
+            # Each size's best-value stack (costs compare within a size, not across images and sequences),
+            # then the stack most sizes choose.
+            ranked = ok.dropna(subset=["usd"]).sort_values("usd", kind="stable")
+            per_size = (ranked if len(ranked) else ok).groupby("size", sort=False).head(1)
+            winner = per_size["technique"].value_counts().index[0]
+            chosen = per_size[per_size["technique"] == winner]
+            found = (f"{winner}, the best value on one GPU for {len(chosen)} of {len(per_size)} sizes "
+                     f"({', '.join(chosen['size'])})")
+            stack = set(str(winner).split("+"))
+            amp, checkpointing = any(t.startswith("amp") for t in stack), any("checkpointing" in t for t in stack)
+            if label == "<1B":
+                verdict = "agrees" if amp and checkpointing else \
+                    "agrees on mixed precision; checkpointing only costs time where memory is left" if amp else \
+                    "disagrees"
+            elif label == "1-10B":
+                verdict = "disagrees: one GPU holds " + ", ".join(dict.fromkeys(ok["size"])) + \
+                    " without tensor parallelism"
+            else:
+                verdict = "disagrees: one GPU holds " + ", ".join(dict.fromkeys(ok["size"]))
+        table.append({"bucket": label, "sizes": sizes, "guide": guide, "rows recommend": found, "verdict": verdict})
+    return table
+
+
+def judge_c14(rows: pd.DataFrame) -> dict:
+    table = strategy_table(rows)
+    if not table:
+        return _judged("C14", "no training rows", "none", "not measurable here")
+    agree = sum(row["verdict"].startswith("agrees") for row in table)
+    found = "; ".join(f"{row['bucket']}: {row['rows recommend']} (guide: {row['guide']})" for row in table)
+    return _judged("C14", found, "training rows by parameter count (the strategy table below)",
+                   f"{'supported' if agree == len(table) else 'partly supported'}: {agree} of {len(table)} buckets "
+                   "agree; multi-GPU strategies (tensor, pipeline, 3D) are not projected yet")
 
 
 def judge_c15(rows: pd.DataFrame) -> dict:
@@ -291,27 +330,36 @@ def judge_c15(rows: pd.DataFrame) -> dict:
 
 
 def judge_c16(rows: pd.DataFrame) -> dict:
+    """Of the baseline training cells that do not fit but that some tried stack makes fit (a memory
+    problem these rows solve), the share mixed precision or sharing alone solves (same batch, same source)."""
     train = rows[rows["mode"] == "train"]
     short = train[(train["technique"] == "baseline") & (train["status"] == "oom")]
-    if not len(short):
-        return _judged("C16", "no baseline training cell runs out of memory in these rows", "none",
-                       "not measurable here")
     simple = {"amp-bf16", "amp-fp16", "param-sharing"}
-    solved = 0
+    solvable, solved = 0, 0
     for _, row in short.iterrows():
         same = train[(train["workload"] == row["workload"]) & (train["size"] == row["size"])
-                     & (train["gpu"] == row["gpu"]) & (train["status"] == "ok")]
-        solved += any(set(str(t).split("+")) <= simple for t in same["technique"])
-    share = solved / len(short)
-    verdict = "supported" if abs(share - 0.8) <= 0.1 else f"contradicted: {share:.0%}, not 80%"
-    return _judged("C16", f"mixed precision or sharing alone makes {solved} of {len(short)} out-of-memory baseline "
-                          f"training cells fit ({share:.0%})", f"{len(short)} OOM baseline cells", verdict)
+                     & (train["gpu"] == row["gpu"]) & (train["status"] == "ok")
+                     & (train["source"] == row["source"]) & (train["batch_size"] == row["batch_size"])]
+        if len(same):
+            solvable += 1
+            solved += any(set(str(t).split("+")) <= simple for t in same["technique"])
+    if not solvable:
+        return _judged("C16", f"{len(short)} baseline training cells run out of memory and no stack in these rows "
+                              "makes one fit", f"{len(short)} OOM baseline cells", "not measurable here")
+    share = solved / solvable
+    sharing = "param-sharing" in set(train["technique"])
+    verdict = ("supported" if abs(share - 0.8) <= 0.1 else f"contradicted: {share:.0%}, not 80%") + \
+        ("" if sharing else " (without param-sharing rows: mixed precision alone)")
+    return _judged("C16", f"of {solvable} out-of-memory baseline training cells that some tried stack makes fit, "
+                          f"mixed precision or sharing alone makes {solved} fit ({share:.0%}); "
+                          f"{len(short) - solvable} more fit with no stack tried",
+                   f"{len(short)} OOM baseline cells", verdict)
 
 
 def judge_claims(frame: pd.DataFrame, capacities: dict, c1: str | None = None, c4: str | None = None,
                  c6: str | None = None, c9: str | None = None) -> list[dict]:
     """Every claim C1-C16 with its finding and verdict, in order."""
-    rows = _cells(frame, capacities) if len(frame) else frame
+    rows = single_gpu_cells(frame, capacities) if len(frame) else frame
     tiny = not len(rows)
     judged = [
         _from_text("C1", c1, "the serving matrix", "no serving matrix in these results (headroom serve-matrix)"),

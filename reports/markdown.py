@@ -79,14 +79,15 @@ def answer_markdown(frame: pd.DataFrame, profiles: dict | None, prices: dict | N
     if not found:
         return []
 
-    def pick(value) -> str:
+    def pick(value, why: str) -> str:
         if value is None:
-            return "nothing tried fits"
-        return f"{value['gpu']} · {value['stack']} ({value['source']}): {value['speed']}; {value['cost']} " \
-               f"({value['price']})"
+            return why
+        price = f" ({value['price']})" if value["price"] else ""
+        ties = f"; tie: {value['ties']}" if value["ties"] else ""
+        return f"{value['gpu']} · {value['stack']} ({value['source']}): {value['speed']}; {value['cost']}{price}{ties}"
 
-    rows = [[a["workload"], a["size"], a["mode"], pick(a["picks"]["value"]), pick(a["picks"]["fastest"])]
-            for a in found]
+    rows = [[a["workload"], a["size"], a["mode"], pick(a["picks"]["value"], a["why"]),
+             pick(a["picks"]["fastest"], a["why"])] for a in found]
     return ["### The answer: best value and fastest GPU + stack per model", "",
             "Costs at on-demand USD per GPU-hour, each price dated; ranges are projection intervals or noise.", "",
             table(["workload", "size", "mode", "best value", "fastest"], rows, right_from=5), ""]

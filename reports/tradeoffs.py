@@ -12,23 +12,22 @@ import pandas as pd
 from harness.advise import memory_left
 from reports import charts
 from reports import format as fmt
+from reports.cells import gpu_cells
 
 # The memory categories of a row, in the order a step builds them up; allocator overhead is what the
 # caching allocator holds beyond the tensors' bytes (reserved - allocated).
 CATEGORIES = [("parameters", "params_bytes"), ("gradients", "grads_bytes"), ("optimizer", "optimizer_bytes"),
-              ("activations", "activations_bytes"), ("temporaries", "temporaries_bytes")]
+              ("KV cache", "kv_cache_bytes"), ("activations", "activations_bytes"),
+              ("temporaries", "temporaries_bytes")]
 # The GPUs a breakdown is drawn on when none was measured, most familiar first.
 REFERENCE_GPUS = ("h100-sxm", "a100-sxm4-80gb", "h200", "l4", "a10")
 
 
 def _cells(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
-    """Single-device cell rows on GPU profiles that ran or were judged (ok or oom), one per cell, the
-    measured row replacing its projected twin."""
-    rows = frame[frame["gpu"].isin(capacities) & frame["status"].isin(["ok", "oom"])]
-    if "rank" in rows:
-        rows = rows[rows["rank"].isna()]
-    rows = rows.sort_values("source", key=lambda s: s.ne("measured"), kind="stable")
-    return rows.drop_duplicates(["workload", "size", "mode", "technique", "gpu", "batch_size"], keep="first")
+    """Single-device cells on GPU profiles that ran or were judged (ok or oom), measured rows standing in
+    for their projected twins (reports/cells.py)."""
+    rows = gpu_cells(frame, capacities, single_device=True)
+    return rows[rows["status"].isin(["ok", "oom"])]
 
 
 def fit_matrices(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
@@ -54,7 +53,8 @@ def fit_matrices(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
                              None if fmt.missing(cells.get(gpu)) else float(cells[gpu]) for gpu in gpus])
         fits = sum(value is not None and value >= 0 for row in left for value in row)
         judged = sum(value is not None for row in left for value in row)
-        title = f"{workload} {mode}: fits on which GPU"
+        sources = " and ".join(sorted(set(group["source"])))
+        title = f"{workload} {mode}: fits on which GPU ({sources})"
         matrices.append({"name": f"fit-{workload}-{mode}", "title": title, "fits": fits, "judged": judged,
                          "svg": charts.fit_heatmap(labels, gpus, left, title)})
     return matrices
@@ -90,9 +90,12 @@ def memory_sections(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dic
             "measured and projected"
         numbers = {name: pd.to_numeric(chosen[column], errors="coerce").astype(float).fillna(0).tolist()
                    for name, column in CATEGORIES}
-        reserved = pd.to_numeric(chosen["peak_reserved_bytes"], errors="coerce").astype(float)
-        allocated = pd.to_numeric(chosen["peak_allocated_bytes"], errors="coerce").astype(float)
-        numbers["allocator overhead"] = (reserved - allocated).clip(lower=0).fillna(0).tolist()
+        reserved = pd.to_numeric(chosen["peak_reserved_bytes"], errors="coerce").astype(float).fillna(0)
+        # The categories are each one's bytes at the step's peak; what the allocator holds beyond them
+        # fills the bar up to peak reserved (never below zero where they overlap in time).
+        parts = pd.DataFrame(numbers).sum(axis=1).to_numpy()
+        numbers["allocator overhead"] = (reserved.to_numpy() - parts).clip(min=0).tolist()
+        numbers = {name: values for name, values in numbers.items() if any(values)}
         stacks = chosen["technique"].astype(str).tolist()
         title = f"{workload} {size} {mode} on {gpu} ({source}): where memory goes"
         section = {"name": f"memory-{workload}-{mode}", "title": title,

@@ -30,7 +30,7 @@ def test_without_a_step_time_of_its_own_the_fastest_fix_is_the_reference():
     lines = advise.rank_fixes({"reserved": 50 * GIB, "step_ms": None},
                               [{"stack": "a", "reserved": GIB, "step_ms": 200.0, "left": GIB},
                                {"stack": "b", "reserved": GIB, "step_ms": 100.0, "left": GIB}])
-    assert "100 ms per step (+0% vs the fastest)" in lines[0] and "(+100% vs the fastest)" in lines[1]
+    assert "100 ms per step (the fastest)" in lines[0] and "(+100% vs the fastest)" in lines[1]
 
 
 def test_memory_left_follows_the_projections_fit():
@@ -62,7 +62,7 @@ def test_advise_names_the_stacks_that_make_a_cell_fit(small_l4, monkeypatch, cap
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0].startswith("baseline does not fit on small-l4: short by ") and "1 of 2 stacks" in lines[0]
-    assert re.fullmatch(r"  checkpointing\+amp-bf16: -\d+\.\d GiB, [\d,]+ ms per step \(\+0% vs the fastest\), "
+    assert re.fullmatch(r"  checkpointing\+amp-bf16: -\d+\.\d GiB, [\d,]+ ms per step \(the fastest\), "
                         r"fits with \d+\.\d GiB left", lines[1]), lines[1]
     assert len(lines) == 2  # tf32 keeps fp32 activations: still short, not advised
     assert "projecting tf32 on small-l4" in err  # progress goes to stderr
@@ -76,6 +76,23 @@ def test_advise_for_a_cell_that_fits_offers_a_larger_batch(small_l4, capsys):
 
 
 def test_advise_refuses_a_family_of_several_gpus(capsys):
-    assert main(["advise", "--gpu", "h200"]) == 2
+    assert main(["advise", "--gpu", "h100"]) == 2
     err = capsys.readouterr().err
-    assert "one GPU" in err and "h200-nvl" in err and len(err.splitlines()) == 1
+    assert "one GPU" in err and "h100-nvl" in err and len(err.splitlines()) == 1
+
+
+def test_an_exact_id_wins_over_its_family(monkeypatch, capsys):
+    # `h200` is the SXM's id and the family of the SXM and the NVL: advise answers for the SXM.
+    monkeypatch.setattr(advise, "_when_it_fits", lambda *args: ["(not asked here)"])
+    assert main(["advise", "--workload", "gpt", "--size", "smoke", "--gpu", "h200"]) == 0
+    assert capsys.readouterr().out.startswith("baseline fits on h200 with ")
+
+
+def test_gpus_without_bf16_are_advised_fp16_stacks():
+    from harness.profiles import load_profiles
+
+    profiles = load_profiles()
+    t4 = advise.candidate_stacks("train", profiles["t4"])
+    assert "amp-fp16+checkpointing" in t4 and not any("bf16" in stack for stack in t4)
+    assert "fp16-weights+group-quant-int4" in advise.candidate_stacks("infer", profiles["v100-sxm2-32gb"])
+    assert advise.candidate_stacks("train", profiles["a10"]) == list(advise.TRAIN_STACKS)

@@ -50,7 +50,8 @@ def test_a_prices_file_replaces_the_profiles_price_gpu_by_gpu(tmp_path):
     prices = price_table(PROFILES, path)
     assert prices["h200"] == Price("h200", 3.5, "2026-11", "our contract")
     assert prices["a10"].usd_per_hour == PROFILES["a10"].usd_per_hour  # untouched
-    assert prices["mi250x"].usd_per_hour == pytest.approx(2.0)  # two GCDs: each device's share
+    assert prices["mi250x"].usd_per_hour == 4.0 and prices["mi250x"].per_device == pytest.approx(2.0)  # 2 GCDs
+    assert prices["mi250x"].label == "$4.00/h ($2.00 per device), 2026-11"
 
 
 @pytest.mark.parametrize(("text", "fragment"), [
@@ -59,6 +60,7 @@ def test_a_prices_file_replaces_the_profiles_price_gpu_by_gpu(tmp_path):
     ("gpu,usd_per_hour,date,source\nh200,3,,x\n", "date"),
     ("gpu,usd_per_hour,date,source\nh200,3,2026,x\nh200,4,2026,y\n", "twice"),
     ("gpu,price\nh200,3\n", "missing: usd_per_hour, date, source"),
+    ("gpu,usd_per_hour,date,source\n", "no prices under the header"),
     ("gpu,usd_per_hour,date,source,basis\nh200,3,2026,x,spot\n", "mix bases"),
 ])
 def test_a_bad_prices_file_is_one_line(tmp_path, text, fragment):

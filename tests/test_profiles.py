@@ -294,3 +294,9 @@ def test_the_host_cpu_can_be_forced_on_a_gpu_machine(profiles, monkeypatch):
     with pytest.raises(ProfileError) as info:
         detect_local(profiles)
     assert "only 'cpu'" in _one_line(info.value)
+
+
+def test_all_names_every_gpu_profile_and_no_cpu():
+    profiles = load_profiles()
+    chosen = resolve_gpus(["all"], profiles)
+    assert {p.id for p in chosen} == {pid for pid, p in profiles.items() if p.vendor != "cpu"} and len(chosen) >= 15
