@@ -179,33 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also tabulate the serving fit matrix for the run's GPUs into serve_matrix.csv (a first "
                           "run on a CPU machine tabulates 13B and 70B at 4k tokens by itself)")
 
-    project = sub.add_parser("project", help="project one cell onto a GPU profile (no GPU needed)")
-    project.add_argument("--workload", default=None, help="default: gpt, or your own model's")
-    _add_user_model_flags(project)
-    project.add_argument("--size", default=None, help="size id (default: the workload's canonical size)")
-    project.add_argument("--gpu", required=True, help="profile id or family (every variant of it)")
-    project.add_argument("--technique", default="baseline", metavar="STACK")
-    project.add_argument("--mode", default="train", help="train or infer")
-    batch = project.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=_count, default=None)
-    batch.add_argument("--max-batch", action="store_true", help="solve for the largest batch that fits")
-    project.add_argument("--max-context", action="store_true",
-                       help="serving (--mode infer, gpt): solve for the longest prompt that fits at --batch-size")
-    project.add_argument("--seq-len", type=_count, default=None, help="tokens per sample (language models)")
-    _add_generation_flags(project)
-    project.add_argument("--largest-model", action="store_true",
-                         help="instead: the largest size of --workload that fits --gpu at its smallest batch")
-    ranks = project.add_mutually_exclusive_group()
-    ranks.add_argument("--dp", type=_count, default=None, metavar="N",
-                       help="GPUs a data-parallel or sharded stack runs on (the global batch: N x the size's batch)")
-    ranks.add_argument("--min-gpus", action="store_true",
-                       help="the fewest GPUs (powers of two) on which a data-parallel or sharded stack fits")
-    for flag in ("--tp", "--pp", "--ep"):
-        project.add_argument(flag, type=_count, default=None, metavar="N", help=argparse.SUPPRESS)
-    project.add_argument("--format", choices=("table", "json"), default="table")
+    from harness import cli_advise, cli_fragmentation, cli_project, cli_serving  # commands of their own modules
 
-    from harness import cli_advise, cli_fragmentation, cli_serving  # commands of their own modules
-
+    cli_project.add_parser(sub)
     cli_serving.add_parser(sub)
     cli_advise.add_parser(sub)
     cli_fragmentation.add_parser(sub)
@@ -421,50 +397,6 @@ def _command(module: str, name: str):
     return command
 
 
-def cmd_project(args) -> int:
-    import json
-
-    from harness.project.query import ProjectRequest, largest_model_answers, projected_rows
-
-    user = _user_workloads(args)
-    if args.max_context and args.max_batch:
-        raise UsageError("--max-context solves for the prompt at a given batch, --max-batch for the batch at a given "
-                         "prompt: give one")
-    if len(user) + bool(args.workload) > 1:
-        raise UsageError("project answers for one model: give one of --workload, --model, --hf-config")
-    named = {"workload": args.workload or user[0]} if args.workload or user else {}
-    for flag in ("tp", "pp", "ep"):
-        if getattr(args, flag):
-            raise UsageError(f"--{flag}: projecting tensor, pipeline and expert parallelism is not implemented yet; "
-                             "data-parallel and sharded stacks are (--dp N, --min-gpus)")
-    request = ProjectRequest(dp=args.dp, min_gpus=args.min_gpus,
-                             gpu=args.gpu, technique=args.technique, mode=args.mode, size=args.size,
-                             batch_size=args.batch_size, max_batch=args.max_batch, seq_len=args.seq_len,
-                             prompt_len=args.prompt_len, gen_len=args.gen_len, max_context=args.max_context, **named)
-    profiles = _profiles(args)
-    # A family name answers for each of its variants: one line of JSON each, or one table each.
-    if args.largest_model:
-        for answer in largest_model_answers(request, profiles):
-            print(json.dumps(answer) if args.format == "json" else
-                  f"{answer['gpu']}: largest {answer['workload']} that fits ({answer['technique']}, "
-                  f"{answer['mode']}, batch {answer['batch_size']}): "
-                  f"{answer['largest_size_that_fits'] or 'none'}"
-                  + (f" ({answer['reason']})" if answer["reason"] else ""))
-        return 0
-    records = projected_rows(request, profiles)
-    for index, record in enumerate(records):
-        row = record.to_dict()
-        if args.format == "json":
-            print(json.dumps(row))
-            continue
-        width = max(map(len, row))
-        print("\n" * bool(index), end="")
-        for key, value in row.items():
-            print(f"{key:{width}}  {'-' if value in (None, '') else value}")
-    # A projection that failed is not an answer: the row says why, the exit code that it failed.
-    return EXIT_CELLS_FAILED if any(record.status == "error" for record in records) else 0
-
-
 def cmd_profiles(args) -> int:
     for profile in _profiles(args).values():
         memory = f"{profile.memory_bytes / 2**30:.0f} GiB" if profile.memory_bytes else "?"
@@ -510,7 +442,8 @@ def cmd_env(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "project": cmd_project, "report": _command("cli_report", "cmd_report"),
+COMMANDS = {"run": cmd_run, "project": _command("cli_project", "cmd_project"),
+            "report": _command("cli_report", "cmd_report"),
             "ledger": _command("cli_speed", "cmd_ledger"),
             "serve-matrix": _command("cli_serving", "cmd_serve_matrix"),
             "fragmentation": _command("cli_fragmentation", "cmd_fragmentation"),
@@ -520,4 +453,8 @@ COMMANDS = {"run": cmd_run, "project": cmd_project, "report": _command("cli_repo
             "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env}
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m harness.cli` runs this file as __main__; the commands in harness/cli_*.py raise the
+    # UsageError of `harness.cli`, so run that module's main for its handlers to catch them.
+    from harness.cli import main as imported_main
+
+    sys.exit(imported_main())

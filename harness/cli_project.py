@@ -1,0 +1,89 @@
+"""`headroom project`: one cell projected onto a GPU profile (memory, fit, step time, cost) without that
+GPU; with --max-batch, --max-context, --largest-model, --dp or --min-gpus it solves for the figure asked
+(harness/project/query.py answers)."""
+
+from __future__ import annotations
+
+import argparse
+
+from harness.cli import (
+    EXIT_CELLS_FAILED,
+    UsageError,
+    _add_generation_flags,
+    _add_user_model_flags,
+    _count,
+    _profiles,
+    _user_workloads,
+)
+
+
+def add_parser(sub) -> None:
+    project = sub.add_parser("project", help="project one cell onto a GPU profile (no GPU needed)")
+    project.add_argument("--workload", default=None, help="default: gpt, or your own model's")
+    _add_user_model_flags(project)
+    project.add_argument("--size", default=None, help="size id (default: the workload's canonical size)")
+    project.add_argument("--gpu", required=True, help="profile id or family (every variant of it)")
+    project.add_argument("--technique", default="baseline", metavar="STACK")
+    project.add_argument("--mode", default="train", help="train or infer")
+    batch = project.add_mutually_exclusive_group()
+    batch.add_argument("--batch-size", type=_count, default=None)
+    batch.add_argument("--max-batch", action="store_true", help="solve for the largest batch that fits")
+    project.add_argument("--max-context", action="store_true",
+                       help="serving (--mode infer, gpt): solve for the longest prompt that fits at --batch-size")
+    project.add_argument("--seq-len", type=_count, default=None, help="tokens per sample (language models)")
+    _add_generation_flags(project)
+    project.add_argument("--largest-model", action="store_true",
+                         help="instead: the largest size of --workload that fits --gpu at its smallest batch")
+    ranks = project.add_mutually_exclusive_group()
+    ranks.add_argument("--dp", type=_count, default=None, metavar="N",
+                       help="GPUs a data-parallel or sharded stack runs on (the global batch: N x the size's batch)")
+    ranks.add_argument("--min-gpus", action="store_true",
+                       help="the fewest GPUs (powers of two) on which a data-parallel or sharded stack fits")
+    for flag in ("--tp", "--pp", "--ep"):
+        project.add_argument(flag, type=_count, default=None, metavar="N", help=argparse.SUPPRESS)
+    project.add_argument("--format", choices=("table", "json"), default="table")
+
+
+
+def cmd_project(args) -> int:
+    import json
+
+    from harness.project.query import ProjectRequest, largest_model_answers, projected_rows
+
+    user = _user_workloads(args)
+    if args.max_context and args.max_batch:
+        raise UsageError("--max-context solves for the prompt at a given batch, --max-batch for the batch at a given "
+                         "prompt: give one")
+    if len(user) + bool(args.workload) > 1:
+        raise UsageError("project answers for one model: give one of --workload, --model, --hf-config")
+    named = {"workload": args.workload or user[0]} if args.workload or user else {}
+    for flag in ("tp", "pp", "ep"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag}: projecting tensor, pipeline and expert parallelism is not implemented yet; "
+                             "data-parallel and sharded stacks are (--dp N, --min-gpus)")
+    request = ProjectRequest(dp=args.dp, min_gpus=args.min_gpus,
+                             gpu=args.gpu, technique=args.technique, mode=args.mode, size=args.size,
+                             batch_size=args.batch_size, max_batch=args.max_batch, seq_len=args.seq_len,
+                             prompt_len=args.prompt_len, gen_len=args.gen_len, max_context=args.max_context, **named)
+    profiles = _profiles(args)
+    # A family name answers for each of its variants: one line of JSON each, or one table each.
+    if args.largest_model:
+        for answer in largest_model_answers(request, profiles):
+            print(json.dumps(answer) if args.format == "json" else
+                  f"{answer['gpu']}: largest {answer['workload']} that fits ({answer['technique']}, "
+                  f"{answer['mode']}, batch {answer['batch_size']}): "
+                  f"{answer['largest_size_that_fits'] or 'none'}"
+                  + (f" ({answer['reason']})" if answer["reason"] else ""))
+        return 0
+    records = projected_rows(request, profiles)
+    for index, record in enumerate(records):
+        row = record.to_dict()
+        if args.format == "json":
+            print(json.dumps(row))
+            continue
+        width = max(map(len, row))
+        print("\n" * bool(index), end="")
+        for key, value in row.items():
+            print(f"{key:{width}}  {'-' if value in (None, '') else value}")
+    # A projection that failed is not an answer: the row says why, the exit code that it failed.
+    return EXIT_CELLS_FAILED if any(record.status == "error" for record in records) else 0
