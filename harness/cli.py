@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(run)
     run.add_argument("--serve-matrix", action="store_true",
                      help="also tabulate the serving fit matrix for the run's GPUs into serve_matrix.csv (a first "
-                          "run on a CPU machine tabulates 7B and 13B at 4k tokens by itself)")
+                          "run on a CPU machine tabulates 7B at 4k tokens by itself)")
 
     from harness import cli_advise, cli_fragmentation, cli_project, cli_serving  # commands of their own modules
 
