@@ -41,6 +41,14 @@ def memory_left(reserved, overhead, capacity, allocated=None, fits=None) -> floa
     return left
 
 
+def row_memory_left(row, capacity) -> float | None:
+    """`memory_left` of a results row (a dict or a pandas row; `fits` may be missing or NA)."""
+    fits = row.get("fits")
+    fits = None if fits is None or pd.isna(fits) else bool(fits)
+    return memory_left(row.get("peak_reserved_bytes"), row.get("device_overhead_bytes"), capacity,
+                       row.get("peak_allocated_bytes"), fits)
+
+
 def gib(value: float, signed: bool = False) -> str:
     return f"{value / GIB:{'+' if signed else ''},.1f} GiB"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.advise import memory_left, rank_fixes
+from harness.advise import rank_fixes, row_memory_left
 from reports.cells import gpu_cells
 
 CELL = ["workload", "size", "mode", "gpu"]
@@ -17,13 +17,7 @@ def _summary(row, capacity) -> dict:
         else float(pd.to_numeric(row.get(name), errors="coerce"))  # noqa: E731
     return {"stack": str(row["technique"]), "reserved": number("peak_reserved_bytes"),
             "step_ms": number("step_time_ms_p50"),
-            "left": memory_left(row.get("peak_reserved_bytes"), row.get("device_overhead_bytes"), capacity,
-                                row.get("peak_allocated_bytes"), _fits(row))}
-
-
-def _fits(row) -> bool | None:
-    value = row.get("fits")
-    return None if value is None or pd.isna(value) else bool(value)
+            "left": row_memory_left(row, capacity)}
 
 
 def oom_advice(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.advise import memory_left
+from harness.advise import row_memory_left
 from harness.prices import tokens_per_sample
 from reports import format as fmt
 from reports.cells import gpu_cells
@@ -38,10 +38,7 @@ def candidates(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
     # Noise past 100% would make the slow end zero or negative: no lower bound then.
     rows["throughput_low"] = (throughput * p50 / high).where(~measured_rows, throughput * (1 - cv).where(cv < 1))
     rows["throughput_high"] = (throughput * p50 / low).where(~measured_rows, throughput * (1 + cv))
-    rows["memory_left_bytes"] = [
-        memory_left(row.get("peak_reserved_bytes"), row.get("device_overhead_bytes"), capacities[row["gpu"]],
-                    row.get("peak_allocated_bytes"), None if pd.isna(row.get("fits")) else bool(row.get("fits")))
-        for _, row in rows.iterrows()]
+    rows["memory_left_bytes"] = [row_memory_left(row, capacities[row["gpu"]]) for _, row in rows.iterrows()]
     rows["devices"] = pd.to_numeric(rows["world_size"], errors="coerce").fillna(1).astype(float)
     return rows
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.advise import memory_left
+from harness.advise import row_memory_left
 from reports import charts
 from reports import format as fmt
 from reports.cells import gpu_cells
@@ -35,10 +35,7 @@ def fit_matrices(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
     rows = _cells(frame, capacities)
     matrices = []
     for (workload, mode), group in rows.groupby(["workload", "mode"], sort=False):
-        group = group.assign(left=[
-            memory_left(row.get("peak_reserved_bytes"), row.get("device_overhead_bytes"), capacities[row["gpu"]],
-                        row.get("peak_allocated_bytes"), None if pd.isna(row.get("fits")) else bool(row["fits"]))
-            for _, row in group.iterrows()])
+        group = group.assign(left=[row_memory_left(row, capacities[row["gpu"]]) for _, row in group.iterrows()])
         order = group.groupby("size")["params_bytes"].max().astype(float).sort_values().index
         gpus = sorted(group["gpu"].unique(), key=lambda g: (capacities[g], g))
         labels, left = [], []
