@@ -1,5 +1,6 @@
 """`headroom project`: one cell projected onto a GPU profile (memory, fit, step time, cost) without that
-GPU; with --max-batch, --max-context, --largest-model, --dp or --min-gpus it solves for the figure asked
+GPU (or N GPUs: --dp, --tp, --pp); with --max-batch, --max-context, --largest-model or --min-gpus it
+solves for the figure asked
 (harness/project/query.py answers)."""
 
 from __future__ import annotations
@@ -38,9 +39,14 @@ def add_parser(sub) -> None:
     ranks.add_argument("--dp", type=_count, default=None, metavar="N",
                        help="GPUs a data-parallel or sharded stack runs on (the global batch: N x the size's batch)")
     ranks.add_argument("--min-gpus", action="store_true",
-                       help="the fewest GPUs (powers of two) on which a data-parallel or sharded stack fits")
-    for flag in ("--tp", "--pp", "--ep"):
-        project.add_argument(flag, type=_count, default=None, metavar="N", help=argparse.SUPPRESS)
+                       help="the fewest GPUs on which a parallel stack fits (data-parallel groups of 1, 2, 4, ... "
+                            "of --tp x --pp GPUs)")
+    project.add_argument("--tp", type=_count, default=None, metavar="N",
+                         help="tensor-parallel ranks per group (the stack's tensor-parallel:t=N)")
+    project.add_argument("--pp", type=_count, default=None, metavar="N",
+                         help="pipeline stages (the stack's pipeline-parallel:p=N; m=M micro-batches, "
+                              "schedule=gpipe as technique options)")
+    project.add_argument("--ep", type=_count, default=None, metavar="N", help=argparse.SUPPRESS)
     project.add_argument("--format", choices=("table", "json"), default="table")
 
 
@@ -57,11 +63,10 @@ def cmd_project(args) -> int:
     if len(user) + bool(args.workload) > 1:
         raise UsageError("project answers for one model: give one of --workload, --model, --hf-config")
     named = {"workload": args.workload or user[0]} if args.workload or user else {}
-    for flag in ("tp", "pp", "ep"):
-        if getattr(args, flag):
-            raise UsageError(f"--{flag}: projecting tensor, pipeline and expert parallelism is not implemented yet; "
-                             "data-parallel and sharded stacks are (--dp N, --min-gpus)")
-    request = ProjectRequest(dp=args.dp, min_gpus=args.min_gpus,
+    if args.ep:
+        raise UsageError("--ep: expert parallelism is not built yet (it needs a mixture-of-experts size); data, "
+                         "tensor and pipeline parallelism are projected (--dp, --tp, --pp)")
+    request = ProjectRequest(dp=args.dp, tp=args.tp, pp=args.pp, min_gpus=args.min_gpus,
                              gpu=args.gpu, technique=args.technique, mode=args.mode, size=args.size,
                              batch_size=args.batch_size, max_batch=args.max_batch, seq_len=args.seq_len,
                              prompt_len=args.prompt_len, gen_len=args.gen_len, max_context=args.max_context, **named)

@@ -66,6 +66,11 @@ def test_tensor_parallel_shards_whole_heads_and_keeps_the_loss(single, tmp_path)
                  + block.mlp.up.weight.numel() + block.mlp.up.bias.numel() + block.mlp.proj.weight.numel()
                  for block in model.blocks)
     assert result["local_params"] == single["local_params"] - halved // 2
+    # The projection's one-rank model holds exactly what the measured rank holds.
+    from harness.project.tensor_parallel import keep_rank_part
+
+    keep_rank_part(model, workload, 2)
+    assert sum(p.numel() for p in model.parameters()) == result["local_params"]
 
 
 def test_a_column_parallel_layer_equals_the_whole_layer_and_the_guides_sample_does_not(tmp_path):
@@ -153,7 +158,7 @@ def test_shards_split_the_plan_into_disjoint_slices_that_cover_it():
             parse_shard(bad)
 
 
-def test_projected_parallel_cells_run_like_measured_ones_and_tensor_parallelism_says_it_is_not_projected_yet():
+def test_projected_parallel_cells_run_like_measured_ones():
     from harness.cell import Cell
     from harness.runner import RunnerOptions, run_cell
 
@@ -162,7 +167,7 @@ def test_projected_parallel_cells_run_like_measured_ones_and_tensor_parallelism_
     assert len(fsdp) == 1 and fsdp[0].status == "ok" and fsdp[0].world_size == 8  # one row: no ranks to fold
     tensor = run_cell(Cell("gpt", "gpt2-124m", "train", "tensor-parallel", "h100-sxm", 8, source="projected",
                            world_size=2), PROFILES, RunnerOptions(run_id="t"))[0]
-    assert tensor.status == "unsupported" and "not implemented yet" in tensor.reason
+    assert tensor.status == "ok" and tensor.world_size == 2 and "2-way tensor" in tensor.notes
 
 
 def test_a_rank_that_hangs_is_named_and_the_finished_ranks_keep_their_rows():

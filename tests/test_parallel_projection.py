@@ -1,5 +1,6 @@
-"""Data-parallel and sharded stacks projected to N GPUs (harness/project/parallel.py): what each rank keeps,
-the links its collectives cross, and the questions a buyer asks (`--dp`, `--min-gpus`)."""
+"""Parallel stacks projected to N GPUs (harness/project/parallel.py): what each rank keeps under data,
+tensor and pipeline parallelism, the links its sends cross, and the questions a buyer asks (`--dp`,
+`--tp`, `--pp`, `--min-gpus`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.project import project_outcome
-from harness.project.parallel import collective_bytes, link_bytes_s, rank_memory
+from harness.project.communication import collective_bytes, link_bytes_s
+from harness.project.parallel import rank_memory
 from harness.project.query import ProjectRequest, projected_rows
+from suites.techniques import Unsupported
 
 PROFILES = load_profiles()
 # One rank's unsharded figures at each phase's peak (a toy trace): 100 bytes of parameters, as many of
@@ -80,10 +83,92 @@ def test_min_gpus_answers_the_fewest_that_hold_the_stack():
     assert project_outcome(fewer).status == "oom"
 
 
+def _projected(stack: str, world: int, size: str = "gpt3-175b", gpu: str = "h100-sxm", batch: int = 256):
+    cell = Cell("gpt", size, "train", stack, gpu, batch, source="projected", world_size=world)
+    return project_outcome(cell.resolve(PROFILES))
+
+
+def test_one_tensor_parallel_rank_holds_its_part_of_each_sharded_layer():
+    import torch
+
+    from harness.project.tensor_parallel import keep_rank_part
+    from suites.workloads import get_workload
+
+    workload = get_workload("gpt")
+    spec = workload.size("gpt-7b")
+    with torch.device("meta"):
+        whole, part = workload.build(spec), workload.build(spec)
+    assert keep_rank_part(part, workload, 8) == 2 * 32  # an attention and an MLP module per block
+    block, rank = whole.blocks[0], part.blocks[0]
+    assert rank.attn.qkv.weight.shape == (3 * 4096 // 8, 4096) and rank.attn.n_head == 4
+    assert rank.attn.proj.weight.shape == (4096, 4096 // 8)
+    for name in ("up", "gate"):  # SwiGLU: both column-parallel, 11008 neurons in eighths
+        assert getattr(rank.mlp, name).weight.shape == (11008 // 8, 4096)
+    assert rank.mlp.proj.weight.shape == (4096, 11008 // 8)  # row-parallel
+    assert rank.norm1.weight.shape == block.norm1.weight.shape and part.wte.weight.shape == whole.wte.weight.shape
+
+
+def test_the_guides_3d_question_answers_per_gpu_memory_fit_step_mfu_and_cost():
+    # GPT-3 175B on 512 H100s: 8-way tensor x 8 stages x 8-way sharding (the issue's example).
+    plain = _projected("tensor-parallel:t=8+pipeline-parallel:p=8+fsdp+amp-bf16", 512)
+    checkpointed = _projected("tensor-parallel:t=8+pipeline-parallel:p=8+fsdp+amp-bf16+checkpointing", 512)
+    assert plain.status == "oom" and "8-way tensor x 8-stage 1F1B pipeline (32 micro-batches) x 8-way fsdp" in \
+        plain.reason  # eight micro-batches' activations of 12 blocks do not fit 80 GB
+    assert checkpointed.status == "ok" and checkpointed.memory.peak_reserved < plain.memory.peak_reserved / 2
+    assert checkpointed.speed.step_time_ms_p50 > 0 and checkpointed.comm_bytes_per_step > 0
+    notes = "; ".join(checkpointed.notes)
+    assert "pipeline bubble 18%" in notes and "tensor parallel sends" in notes  # 7 / 39
+    # One rank holds ~1/512 of the model states (the embeddings and head stay whole under tensor parallelism,
+    # so a little more).
+    single = _projected("amp-bf16+checkpointing", 1, batch=1)
+    ratio = checkpointed.memory.params / single.memory.params
+    assert 1 / 512 < ratio < 1.5 / 512
+
+
+def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
+    stack = "pipeline-parallel:p=4:m={m}{schedule}+amp-bf16"
+    one_f_one_b, gpipe = (_projected(stack.format(m=16, schedule=s), 4, size="gpt2-1.3b", batch=16)
+                          for s in ("", ":schedule=gpipe"))
+    # GPipe holds all 16 micro-batches' activations, 1F1B at most the 4 stages': 16/4 as many beyond the first.
+    assert gpipe.memory.activations > 2 * one_f_one_b.memory.activations
+    steps = {m: _projected(stack.format(m=m, schedule=""), 4, size="gpt2-1.3b", batch=m) for m in (4, 8, 32)}
+    ms = {m: outcome.speed.step_time_ms_p50 for m, outcome in steps.items()}
+    # (m + p - 1) slots of one micro-batch, then the optimizer step once: linear in m, slope one slot.
+    slot = (ms[32] - ms[8]) / 24
+    assert (ms[8] - ms[4]) / 4 == pytest.approx(slot, rel=1e-9)
+    assert ms[4] > 7 * slot  # 4 micro-batches fill 7 slots, 3 of them idle: the bubble, plus the step
+    assert "pipeline bubble 43%" in "; ".join(steps[4].notes)  # (p - 1) / (m + p - 1) = 3 / 7
+
+
+@pytest.mark.parametrize("stack, world, message", [
+    ("tensor-parallel:t=8+fsdp", 12, "do not split into 8 tensor-parallel ranks"),
+    ("tensor-parallel:t=2+amp-bf16", 8, "no data-parallel or sharding technique"),
+    ("tensor-parallel+pipeline-parallel:p=2+fsdp", 8, "give --tp N"),
+    ("pipeline-parallel:p=5+amp-bf16", 5, "96 blocks do not split into 5"),
+])
+def test_layouts_that_do_not_add_up_say_why(stack, world, message):
+    from harness.project.parallel import layout_of, local_cell
+
+    cell = Cell("gpt", "gpt3-175b", "train", stack, "h100-sxm", 320, source="projected",
+                world_size=world).resolve(PROFILES)
+    with pytest.raises(Unsupported, match=message):
+        local_cell(cell, layout_of(cell))
+
+
+def test_min_gpus_with_tensor_and_pipeline_degrees_searches_the_data_parallel_groups():
+    request = ProjectRequest(gpu="h100-sxm", workload="gpt", size="gpt-70b", tp=8, pp=2, min_gpus=True,
+                             technique="tensor-parallel+pipeline-parallel+fsdp+amp-bf16+checkpointing")
+    row = projected_rows(request, PROFILES)[0]
+    assert row.status == "ok" and row.world_size % 16 == 0 and f"fits on {row.world_size} GPUs" in row.notes
+    assert row.technique.startswith("tensor-parallel:t=8+pipeline-parallel:p=2")
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--technique", "fsdp", "--tp", "8"], "tensor, pipeline and expert parallelism is not implemented yet"),
-    (["--technique", "fsdp"], "give --dp N"),
-    (["--technique", "amp-bf16", "--dp", "8"], "apply to data-parallel and sharded stacks"),
+    (["--technique", "fsdp", "--tp", "8"], "--tp 8 needs tensor-parallel in the stack"),
+    (["--technique", "tensor-parallel:t=4", "--tp", "8"], "contradicts tensor-parallel:t=4"),
+    (["--technique", "fsdp", "--ep", "8"], "expert parallelism is not built yet"),
+    (["--technique", "fsdp"], "give how many"),
+    (["--technique", "amp-bf16", "--dp", "8"], "apply to parallel stacks"),
 ])
 def test_the_command_line_says_what_it_cannot_project(args, message):
     done = subprocess.run([sys.executable, "-m", "harness.cli", "project", "--workload", "gpt", "--size", "gpt2-124m",

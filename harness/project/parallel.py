@@ -1,18 +1,21 @@
-"""Projection of data-parallel and sharded stacks to N GPUs, from the trace of one rank's part.
+"""Projection of parallel stacks to N GPUs (3D: data x tensor x pipeline), from the trace of one rank's part.
 
-One rank of a d-way data-parallel stack runs the single-device stack on its slice of the global batch
-(global / d), so the projection traces that (the same trace and allocator model as any cell) and then
-moves what the parallel technique moves (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054):
-- `data-parallel` (DDP) keeps a full replica and adds flat gradient buckets the size of the gradients
-  (DDP's default `gradient_as_bucket_view=False`, PyTorch DDP notes);
-- `zero1` keeps 1/d of the optimizer state;
-- `fsdp` (ZeRO-3) keeps 1/d of parameters, gradients and optimizer state, plus the blocks gathered at a
-  time (the running block and the prefetched next one, with one block's unsharded gradients);
-- `fsdp-zero2` keeps the parameters gathered from forward to backward: shards gradients and state only;
-- `cpu-offload` holds FSDP's shards in host memory (host_bytes) and only gathered blocks on the device.
-Communication is costed as ring collectives over the profile's links: NVLink (or the host link) inside a
-node of `node_gpus`, the node's network between nodes, overlapped with the phase it runs under as the
-schedule allows. Tensor, pipeline and expert parallelism are not projected yet.
+One rank runs the single-device stack on its part of the model and its slice of the batch, so the
+projection traces that (the same trace and allocator model as any cell) and then moves what the parallel
+techniques move:
+- tensor parallelism over t ranks: the rank's part of each attention and MLP module is what is traced
+  (harness/project/tensor_parallel.py), so its parameters, activations and matmuls are 1/t where sharded;
+- pipeline parallelism over p stages: one stage of depth L/p is traced at the micro-batch size, and the
+  first stage holds the activations of every micro-batch in flight (all m under GPipe, p under 1F1B);
+- data parallelism and sharding over d ranks (ZeRO, Rajbhandari et al. 2020, arXiv:1910.02054):
+  `data-parallel` (DDP) keeps a full replica and adds flat gradient buckets the size of the gradients
+  (DDP's default `gradient_as_bucket_view=False`, PyTorch DDP notes); `zero1` keeps 1/d of the optimizer
+  state; `fsdp` (ZeRO-3) keeps 1/d of parameters, gradients and optimizer state, plus the blocks gathered
+  at a time (the running block and the prefetched next one, with one block's unsharded gradients);
+  `fsdp-zero2` keeps the parameters gathered from forward to backward; `cpu-offload` holds FSDP's shards
+  in host memory (host_bytes) and only gathered blocks on the device.
+The step adds the communication the schedule cannot hide (harness/project/communication.py) and the
+pipeline's bubble. Expert parallelism is not projected yet.
 """
 
 from __future__ import annotations
@@ -21,23 +24,60 @@ import dataclasses
 from dataclasses import dataclass
 
 from harness.cell import ResolvedCell
+from harness.ledger import unfitted_interval
 from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
+from harness.project.communication import (
+    collective_bytes,
+    data_parallel_windows,
+    exposed_s,
+    link_bytes_s,
+    pipeline_bytes,
+    tensor_parallel_bytes,
+)
+from harness.project.roofline import estimate, host_link_bytes_s, offload_s
+from harness.project.tensor_parallel import rank_part, sharded_model_figures
 from suites.techniques import Stack, Unsupported
 from suites.techniques.base import Phase
 from suites.techniques.offload import HostTraffic
+from suites.techniques.parallel import degree
+from suites.techniques.pipeline import options_of
 
 DATA_PARALLEL = {"data-parallel", "zero1", "fsdp", "fsdp-zero2", "cpu-offload"}
+PROJECTED = DATA_PARALLEL | {"tensor-parallel", "pipeline-parallel"}
 # Blocks whose parameters FSDP2 holds unsharded at once: the one computing and the one prefetched.
 GATHERED_BLOCKS = 2
-# DDP's gradient buckets (25 MiB by default): the last one's all-reduce cannot hide under the backward.
-DDP_BUCKET_BYTES = 25 * 2**20
+# Bytes per element of the activations tensor and pipeline parallelism send: autocast's dtype, else fp32.
+ACTIVATION_BYTES = {"bf16-mixed": 2, "fp16-mixed": 2, "fp8-mixed": 2, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How the ranks split the work: `dp` data-parallel (or sharded) ranks."""
+    """How the ranks split the work: `tp` tensor-parallel ranks inside each of `dp` data-parallel (or
+    sharded) groups, inside each of `pp` pipeline stages; `micro_batches` per step, `in_flight` of them
+    held at once by the first stage."""
 
     dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batches: int = 1
+    in_flight: int = 1
+    schedule: str = "1f1b"
+    data_technique: str | None = None
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        parts = []
+        if self.tp > 1:
+            parts.append(f"{self.tp}-way tensor")
+        if self.pp > 1:
+            parts.append(f"{self.pp}-stage {self.schedule.upper()} pipeline ({self.micro_batches} micro-batches)")
+        if self.data_technique:
+            parts.append(f"{self.dp}-way {self.data_technique}" if self.dp > 1 else
+                         f"{self.data_technique} over 1 rank (nothing to shard)")
+        return " x ".join(parts) or "one rank"
 
 
 @dataclass(frozen=True)
@@ -51,57 +91,95 @@ class RankMemory:
     host: int | None = None
 
 
-def local_cell(cell: ResolvedCell, layout: Layout) -> tuple[ResolvedCell, str]:
-    """The cell one rank runs (the stack without its parallel technique, the rank's slice of the batch) and
-    the parallel technique's id; Unsupported for what is not projected yet."""
-    parallel = [t for t in cell.stack.techniques if t.phase in (Phase.PARALLEL, Phase.DATA_PARALLEL)]
-    if any(t.id not in DATA_PARALLEL for t in parallel):
-        names = ", ".join(t.id for t in parallel if t.id not in DATA_PARALLEL)
-        raise Unsupported(f"projecting {names} is not implemented yet (data-parallel and sharded stacks are); "
-                          "measure it with headroom run --world-size N")
-    if len(parallel) != 1:
-        raise Unsupported("one data-parallel or sharding technique per stack")
+def _base(technique) -> str:
+    return technique.id.partition(":")[0]
+
+
+def layout_of(cell: ResolvedCell) -> Layout:
+    """The cell's layout over its world size: degrees the stack names (`tensor-parallel:t=8`,
+    `pipeline-parallel:p=4`), the data-parallel degree from the ranks left; a parallel technique without
+    a degree takes every rank when it is the stack's only one. Unsupported where they do not add up."""
+    parallel = {_base(t): t for t in cell.stack.techniques if t.phase in (Phase.PARALLEL, Phase.DATA_PARALLEL)}
+    unknown = sorted(set(parallel) - PROJECTED)
+    if unknown:
+        raise Unsupported(f"projecting {', '.join(unknown)} is not implemented yet (data-parallel, sharded, tensor- "
+                          "and pipeline-parallel stacks are); measure it with headroom run --world-size N")
+    world = cell.cell.world_size
+    data = next((name for name in parallel if name in DATA_PARALLEL), None)
+    alone = len(parallel) == 1
+    tp = degree(parallel["tensor-parallel"], "t") if "tensor-parallel" in parallel else 1
+    pipeline = options_of(parallel["pipeline-parallel"]) if "pipeline-parallel" in parallel else None
+    pp = (pipeline.stages if pipeline else 1)
+    for name, given, flag in (("tensor-parallel", tp, "--tp"), ("pipeline-parallel", pp, "--pp")):
+        if name in parallel and given is None and not alone:
+            raise Unsupported(f"{name} combined with other parallelism needs its degree: give {flag} N")
+    tp = tp or world
+    pp = pp or world
+    if world % (tp * pp):
+        raise Unsupported(f"{world} GPUs do not split into {tp} tensor-parallel ranks x {pp} pipeline stages")
+    dp = world // (tp * pp)
+    if dp > 1 and data is None:
+        raise Unsupported(f"{world} GPUs leave {dp} data-parallel groups of {tp * pp}, but the stack has no "
+                          "data-parallel or sharding technique: add data-parallel, zero1 or fsdp, or give --dp 1")
+    micro = pipeline.micro_batches_for(pp) if pipeline and pp > 1 else 1
+    return Layout(dp=dp, tp=tp, pp=pp, micro_batches=micro, in_flight=pipeline.in_flight(pp) if pp > 1 else 1,
+                  schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data)
+
+
+def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
+    """The cell one rank runs: the stack without its parallel techniques (with one tensor-parallel rank's
+    part of the model), one pipeline stage's depth, one micro-batch of its data-parallel slice."""
     if cell.mode != "train":
-        raise Unsupported("data parallelism and sharding are projected for training; a served model is projected "
-                          "per GPU")
-    if cell.batch_size % layout.dp:
-        raise Unsupported(f"the global batch {cell.batch_size} does not split into {layout.dp} ranks; give a "
-                          f"multiple of {layout.dp}")
-    stack = Stack(tuple(t for t in cell.stack.techniques if t not in parallel))
+        raise Unsupported("parallel stacks are projected for training; a served model is projected per GPU")
+    slices = layout.dp * layout.micro_batches
+    if cell.batch_size % slices:
+        raise Unsupported(f"the global batch {cell.batch_size} does not split into {layout.dp} data-parallel ranks x "
+                          f"{layout.micro_batches} micro-batches; give a multiple of {slices}")
+    kept = tuple(t for t in cell.stack.techniques if t.phase not in (Phase.PARALLEL, Phase.DATA_PARALLEL))
+    stack = Stack(((rank_part(layout.tp),) if layout.tp > 1 else ()) + kept)
+    spec = cell.spec
+    if layout.pp > 1:
+        depth = cell.workload.depth(spec)
+        if depth is None or depth % layout.pp:
+            raise Unsupported(f"{depth} blocks do not split into {layout.pp} equal pipeline stages")
+        spec = cell.workload.with_depth(spec, depth // layout.pp)
     local = dataclasses.replace(
-        cell, stack=stack, unsupported=stack.check(cell.profile, cell.workload, cell.mode),
-        cell=dataclasses.replace(cell.cell, technique=stack.name, batch_size=cell.batch_size // layout.dp,
+        cell, stack=stack, unsupported=Stack(kept).check(cell.profile, cell.workload, cell.mode),
+        cell=dataclasses.replace(cell.cell, technique=stack.name, batch_size=cell.batch_size // slices,
                                  world_size=1))
-    return local, parallel[0].id
+    return local.with_spec(spec)
 
 
-def rank_memory(technique: str, dp: int, phase_at_peak: dict[str, dict[str, int]], states: tuple[int, int, int],
-                block_params: int, block_grads: int) -> RankMemory:
-    """Per-rank memory under `technique` on `dp` ranks, from one rank's unsharded trace: each phase's peak
-    with its parameters, gradients and optimizer state kept as the technique keeps them, what it adds
-    (DDP's buckets, FSDP's gathered blocks), and the optimizer step's temporaries shrunk with its shard."""
+def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[str, int]],
+                states: tuple[int, int, int], block_params: int, block_grads: int, in_flight: int = 0) -> RankMemory:
+    """Per-rank memory under the data-parallel `technique` (None: none) on `dp` ranks, from one rank's
+    unsharded trace: each phase's peak with its parameters, gradients and optimizer state kept as the
+    technique keeps them, what it adds (DDP's buckets, FSDP's gathered blocks), the optimizer step's
+    temporaries shrunk with its shard, and `in_flight` bytes of other micro-batches' activations held
+    through the forward and backward (a pipeline's first stage)."""
     params, grads, optimizer = states
 
     def shard(size: int) -> int:
         return -(-size // dp)
 
     # Between steps (the row's params/grads/optimizer columns, as FSDP2's sharded storage holds them).
-    kept = {"data-parallel": (params, grads, optimizer), "zero1": (params, grads, shard(optimizer)),
-            "fsdp-zero2": (shard(params), shard(grads), shard(optimizer)),
+    kept = {None: (params, grads, optimizer), "data-parallel": (params, grads, optimizer),
+            "zero1": (params, grads, shard(optimizer)), "fsdp-zero2": (shard(params), shard(grads), shard(optimizer)),
             "fsdp": (shard(params), shard(grads), shard(optimizer)), "cpu-offload": (0, 0, 0)}[technique]
     buckets = grads if technique in ("data-parallel", "zero1") else 0  # DDP's flat gradient buckets
     gathered = {"forward": GATHERED_BLOCKS * block_params, "backward": GATHERED_BLOCKS * block_params + block_grads}
-    if technique in ("data-parallel", "zero1"):
+    if technique in (None, "data-parallel", "zero1"):
         gathered = {}  # replicas: nothing to gather
     elif technique == "fsdp-zero2":
         # Parameters gathered in the forward stay whole until the backward is done: by the forward's end
         # every block's are (counted as the whole parameters below); a block's gradients before scattering.
         gathered = {"backward": block_grads}
-    sharded_step = technique != "data-parallel"
-    peaks = []
+    sharded_step = technique not in (None, "data-parallel")
+
     def scaled(at: dict[str, int], category: str, whole: int, keep: int) -> float:
         return at.get(category, 0) * (keep / whole if whole else 1.0)
 
+    peaks = []
     for phase, at in phase_at_peak.items():
         if technique == "fsdp-zero2" and phase in ("forward", "backward"):
             kept_params = params  # whole, at the forward's end and through the backward
@@ -110,142 +188,136 @@ def rank_memory(technique: str, dp: int, phase_at_peak: dict[str, dict[str, int]
         temporaries = at.get("temporaries", 0)
         if phase == "optimizer" and sharded_step:
             temporaries = 0 if technique == "cpu-offload" else shard(temporaries)  # the step runs on the shard
+        held = in_flight if phase in ("forward", "backward") else 0
         peaks.append(scaled(at, "params", params, kept_params) + scaled(at, "grads", grads, kept[1])
-                     + scaled(at, "optimizer", optimizer, kept[2]) + at.get("activations", 0) + temporaries
+                     + scaled(at, "optimizer", optimizer, kept[2]) + at.get("activations", 0) + held + temporaries
                      + buckets + gathered.get(phase, 0))
     host = shard(params) + shard(grads) + shard(optimizer) if technique == "cpu-offload" else None
     return RankMemory(*kept, peak=round(max(peaks)), host=host)
 
 
-def link_bytes_s(profile, ranks: int) -> tuple[float | None, str]:
-    """One direction of the slowest link a ring over `ranks` GPUs crosses, and which link that is: inside a
-    node NVLink (its datasheet figure is both directions) or, without one, the host link; between nodes
-    the node's network shared by its GPUs."""
-    links = profile.interconnect or {}
-    node = links.get("node_gpus") or 8
-    if ranks > node:
-        network = links.get("node_network_gb_s")
-        if not network:
-            return None, f"no inter-node bandwidth known for {profile.id} (interconnect.node_network_gb_s)"
-        return network * 1e9 / node, f"{network:g} GB/s node network shared by {node} GPUs"
-    nvlink = links.get("gpu_link_gb_s")
-    if nvlink and links.get("gpu_link", "").startswith("NVLink") and "bridge" not in links.get("gpu_link", ""):
-        return nvlink * 1e9 / 2, f"{links.get('gpu_link', 'GPU link')} ({nvlink:g} GB/s both ways)"
-    host = links.get("host_link_gb_s")
-    if host:
-        return host * 1e9 / 2, f"{links.get('host_link', 'host link')} through the host ({host:g} GB/s both ways)"
-    return None, f"no GPU or host link bandwidth known for {profile.id}"
-
-
-def collective_bytes(technique: str, dp: int, params: int, grads: int) -> dict[str, float]:
-    """Bytes each rank sends per step, per phase the collective runs under (ring algorithms: an all-reduce
-    sends 2 (d - 1) / d of the buffer, an all-gather or reduce-scatter (d - 1) / d; Patarasuk & Yuan 2009)."""
-    share = (dp - 1) / dp
-    if technique == "data-parallel":
-        return {"backward": 2 * share * grads}
-    if technique == "zero1":
-        return {"backward": 2 * share * grads, "optimizer": share * params}  # + the updated shards' broadcast
-    if technique == "fsdp-zero2":
-        return {"forward": share * params, "backward": share * grads}
-    return {"forward": share * params, "backward": share * (params + grads)}  # ZeRO-3 gathers again for backward
-
-
-def exposed_s(sent: dict[str, float], phases: dict[str, float], link: float, technique: str) -> float:
-    """Communication seconds the step cannot hide: collectives overlap the phase they run under (FSDP
-    prefetches the next block's gather, DDP all-reduces buckets as gradients are ready); whatever outlasts
-    the phase shows, and DDP's last bucket always does. ZeRO-1's broadcast follows the step."""
-    total = 0.0
-    for phase, size in sent.items():
-        seconds = size / link
-        if phase == "optimizer":
-            total += seconds
-        else:
-            total += max(0.0, seconds - phases.get(phase, 0.0))
-    if technique in ("data-parallel", "zero1") and sent.get("backward"):
-        total += min(DDP_BUCKET_BYTES, sent["backward"]) / link
-    return total
-
-
-def block_bytes(cell: ResolvedCell, bytes_per_param: float) -> int:
-    """Bytes of the largest repeated block's parameters, from the model built on the meta device."""
-    import torch
-
-    with torch.device("meta"):
-        model = cell.workload.build(cell.spec)
-    blocks = [block for container in cell.workload.block_lists(model) for block in container]
+def _largest_block(model, workload, bytes_per_param: float) -> int:
+    """Bytes of the largest repeated block's parameters (as the rank holds them) for FSDP to gather."""
+    blocks = [block for container in workload.block_lists(model) for block in container]
     if not blocks:
-        raise Unsupported(f"{cell.workload.name} exposes no repeated blocks for FSDP to shard one by one")
+        raise Unsupported(f"{workload.name} exposes no repeated blocks for FSDP to shard one by one")
     return round(max(sum(p.numel() for p in block.parameters()) for block in blocks) * bytes_per_param)
 
 
+def _activations_per_block(local: ResolvedCell) -> int:
+    """The activations one micro-batch leaves per block at the forward's end (what a pipeline stage holds
+    per micro-batch in flight), from traces of the rank's part at two depths."""
+    from harness.project.trace import traced
+
+    low, high = (traced(local.with_spec(local.workload.with_depth(local.spec, depth))) for depth in (2, 3))
+    return max(0, high.activations_bytes - low.activations_bytes)
+
+
 def project_parallel(cell: ResolvedCell) -> Outcome:
-    """The projected outcome of a data-parallel or sharded stack on `cell.cell.world_size` GPUs: one rank's
-    memory (peaks are per rank, never summed) and the step with its exposed communication."""
-    from harness.ledger import unfitted_interval
-    from harness.project import oom_reason, project
-    from harness.project.roofline import estimate, host_link_bytes_s, offload_s
+    """The projected outcome of a parallel stack on `cell.cell.world_size` GPUs: one rank's memory (peaks
+    are per rank, never summed) and the step with its pipeline bubble and exposed communication."""
+    from harness.project import oom_reason, project  # the package builds on this module
 
     if cell.unsupported:
         return failure("unsupported", cell.unsupported)
-    layout = Layout(dp=cell.cell.world_size)
-    local, technique = local_cell(cell, layout)
+    layout = layout_of(cell)
+    local = local_cell(cell, layout)
     if local.unsupported:
         return failure("unsupported", local.unsupported)
     projection = project(local)
     memory, trace = projection.memory, projection.trace
-    per_param = memory.params / max(1, trace.param_count)
-    block = block_bytes(local, per_param)
-    block_grads = round(block * memory.grads / memory.params) if memory.params else 0
     if not trace.phase_at_peak:
         raise Unsupported("the rank's trace kept no per-phase breakdown to shard")
-    rank = rank_memory(technique, layout.dp, trace.phase_at_peak, (trace.params_bytes, trace.grads_bytes,
-                                                                    trace.optimizer_bytes), block, block_grads)
+    technique = layout.data_technique
+    model, sharded, width = sharded_model_figures(local.workload, local.spec, layout.tp)
+    per_param = memory.params / max(1, trace.param_count)
+    block = _largest_block(model, local.workload, per_param) if technique in ("fsdp", "fsdp-zero2",
+                                                                               "cpu-offload") else 0
+    block_grads = round(block * memory.grads / memory.params) if memory.params else 0
+    layers = local.workload.depth(local.spec) or 0
+    in_flight = (layout.in_flight - 1) * layers * _activations_per_block(local) if layout.pp > 1 else 0
+    rank = rank_memory(technique, layout.dp, trace.phase_at_peak,
+                       (trace.params_bytes, trace.grads_bytes, trace.optimizer_bytes), block, block_grads, in_flight)
     # What the allocator model adds to the trace's live bytes (workspaces), and its reserve, carry over.
     peak = memory.peak_allocated - trace.peak_bytes + rank.peak
     reserved = (memory.chosen_reserved or memory.peak_allocated) - memory.peak_allocated + peak
     fits = None if memory.capacity is None else reserved + memory.overhead <= memory.capacity
-    notes = [f"{layout.dp}-way {technique}: one rank traced at batch {local.batch_size} of {cell.batch_size}; "
-             f"model states moved as the technique shards them (largest block {block / 2**20:,.0f} MiB)",
-             *memory.notes]
-    sent = collective_bytes(technique, layout.dp, memory.params, memory.grads)
+    notes = [f"{layout.describe()} on {layout.world} GPUs: one rank traced at micro-batch {local.batch_size} of "
+             f"global batch {cell.batch_size}"
+             + (f", {layers} of {cell.workload.depth(cell.spec)} blocks (a stage with both the embeddings and the "
+                f"head: the first and last stages' extras together)" if layout.pp > 1 else "")
+             + (f"; {layout.in_flight} micro-batches' activations held by the first stage" if layout.pp > 1 else "")
+             + (f"; model states moved as {technique} shards them (largest block {block / 2**20:,.0f} MiB)"
+                if block else ""), *memory.notes]
     figures = MemoryFigures(
         peak_allocated=peak, peak_reserved=reserved, device_overhead=memory.overhead,
         library_workspaces=memory.workspaces, params=rank.params, grads=rank.grads, optimizer=rank.optimizer,
-        activations=memory.activations, temporaries=memory.temporaries, param_count=trace.param_count,
+        activations=memory.activations + in_flight, temporaries=memory.temporaries, param_count=trace.param_count,
         host=rank.host)
+    sent = collective_bytes(technique, layout.dp, memory.params, memory.grads, layout.micro_batches)
+    activation = local.batch_size * (local.spec.seq_len or 0) * width * ACTIVATION_BYTES.get(trace.precision, 4)
+    recomputed = any(_base(t).startswith("checkpointing") for t in cell.stack.techniques)
+    per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, activation, recomputed),
+                 "pipeline": pipeline_bytes(layout.pp, activation)}
+    comm_bytes = sum(sent.values()) + layout.micro_batches * sum(per_micro.values())
     speed = None
     if fits is not False and projection.time is not None:
-        profile = cell.profile.per_device()
-        link, described = link_bytes_s(profile, layout.dp)
-        host_link = host_link_bytes_s(profile)
-        if technique == "cpu-offload" and host_link is None:
-            link, described = None, f"no host link bandwidth known for {profile.id} (interconnect.host_link_gb_s)"
-        if link is None:
-            notes.append(f"no step time: {described}")
-        else:
-            phases = {phase: estimate(trace, profile, phases=(phase,)).step_s for phase in ("forward", "backward")}
-            exposed = exposed_s(sent, phases, link, technique)
-            step = projection.time.step_s + exposed
-            if technique == "cpu-offload":
-                # Each step this rank's gradient shard goes to the host, whose AdamW updates the parameter
-                # shard, which comes back for the next step's gathers.
-                params_shard = -(-trace.params_bytes // layout.dp)
-                grads_shard = -(-trace.grads_bytes // layout.dp)
-                step += offload_s(HostTraffic(rank.host or 0, grads_shard, params_shard, 7 * params_shard),
-                                  host_link, phases["backward"], notes)
-            notes.append(f"communication {sum(sent.values()) / 2**20:,.0f} MiB sent per rank per step over "
-                         f"{described}: {exposed * 1e3:.1f} ms not hidden under compute")
-            bar = unfitted_interval(step * 1e3, "multi-GPU communication not yet checked against a measured "
-                                                "multi-GPU step")
-            notes.append(f"step time: {bar.basis}")
-            speed = SpeedFigures(step_time_ms_p50=step * 1e3, step_time_ms_mean=step * 1e3,
-                                 throughput_samples_s=cell.batch_size / step, step_time_ms_low=bar.low,
-                                 step_time_ms_high=bar.high, step_time_cells=bar.cells)
+        speed = _step(cell, layout, projection, sent, per_micro, rank, notes)
     status, reason = "ok", ""
     if fits is False:
         status = "oom"
         reason = oom_reason(dataclasses.replace(memory, peak_allocated=peak,
                                                 reserved={memory.allocator: reserved}), cell.profile.id)
-        reason += f" (per rank, {layout.dp}-way {technique})"
+        reason += f" (per rank, {layout.describe()})"
     return Outcome(status=status, reason=reason, precision=trace.precision, memory=figures, speed=speed, fits=fits,
-                   device_name=cell.profile.name, notes=notes, comm_bytes_per_step=round(sum(sent.values())))
+                   device_name=cell.profile.name, notes=notes, comm_bytes_per_step=round(comm_bytes))
+
+
+def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float], per_micro: dict[str, float],
+          rank: RankMemory, notes: list[str]) -> SpeedFigures | None:
+    """The parallel step: (m + p - 1) pipeline slots of one micro-batch's compute and its tensor- and
+    pipeline-parallel sends, then the optimizer step, the data-parallel communication not hidden, and an
+    offloaded step's host traffic; None (with a note) where a link's bandwidth is unknown."""
+    profile = cell.profile.per_device()
+    trace = projection.trace
+    links = {"data": link_bytes_s(profile, layout.tp * layout.dp), "tensor": link_bytes_s(profile, layout.tp),
+             "pipeline": link_bytes_s(profile, 2 * layout.tp * layout.dp)}
+    needed = {"data": bool(sent), "tensor": bool(per_micro["tensor"]), "pipeline": bool(per_micro["pipeline"])}
+    host_link = host_link_bytes_s(profile)
+    if layout.data_technique == "cpu-offload" and host_link is None:
+        notes.append(f"no step time: no host link bandwidth known for {profile.id} (interconnect.host_link_gb_s)")
+        return None
+    for kind, (bandwidth, described) in links.items():
+        if needed[kind] and bandwidth is None:
+            notes.append(f"no step time: {described}")
+            return None
+    phases = {phase: estimate(trace, profile, phases=(phase,)).step_s for phase in ("forward", "backward", "optimizer")}
+    micro_s = projection.time.step_s - phases["optimizer"]  # everything but the step, per micro-batch
+    sends_s = sum(size / links[kind][0] for kind, size in per_micro.items() if size)
+    slots = layout.micro_batches + layout.pp - 1
+    windows = data_parallel_windows(layout.data_technique, phases["forward"], phases["backward"],
+                                    layout.micro_batches)
+    exposed = exposed_s(sent, windows, links["data"][0], layout.data_technique) if sent else 0.0
+    step = slots * (micro_s + sends_s) + phases["optimizer"] + exposed
+    if layout.data_technique == "cpu-offload":
+        # Each step this rank's gradient shard goes to the host, whose AdamW updates the parameter shard,
+        # which comes back for the next step's gathers.
+        params_shard = -(-trace.params_bytes // layout.dp)
+        grads_shard = -(-trace.grads_bytes // layout.dp)
+        step += offload_s(HostTraffic(rank.host or 0, grads_shard, params_shard, 7 * params_shard), host_link,
+                          phases["backward"], notes)
+    if layout.pp > 1:
+        notes.append(f"pipeline bubble {(layout.pp - 1) / slots:.0%} of the step ((p - 1) / (m + p - 1), "
+                     f"{layout.pp - 1} idle slots of {slots})")
+    for kind, size in per_micro.items():
+        if size:
+            notes.append(f"{kind} parallel sends {size / 2**20:,.1f} MiB per micro-batch over {links[kind][1]}, on "
+                         f"the critical path: {size / links[kind][0] * 1e3:.2f} ms each")
+    if sent:
+        notes.append(f"data-parallel communication {sum(sent.values()) / 2**20:,.0f} MiB sent per rank per step over "
+                     f"{links['data'][1]}: {exposed * 1e3:.1f} ms not hidden under compute")
+    bar = unfitted_interval(step * 1e3, "multi-GPU communication not yet checked against a measured multi-GPU step")
+    notes.append(f"step time: {bar.basis}")
+    return SpeedFigures(step_time_ms_p50=step * 1e3, step_time_ms_mean=step * 1e3,
+                        throughput_samples_s=cell.batch_size / step, step_time_ms_low=bar.low,
+                        step_time_ms_high=bar.high, step_time_cells=bar.cells)

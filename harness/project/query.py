@@ -45,7 +45,32 @@ class ProjectRequest:
     gen_len: int | None = None
     max_context: bool = False  # serving: the longest prompt that fits at the batch
     dp: int | None = None  # data-parallel / sharded ranks of a parallel stack
-    min_gpus: bool = False  # solve for the fewest ranks (powers of two) on which the stack fits
+    tp: int | None = None  # tensor-parallel ranks per group
+    pp: int | None = None  # pipeline stages
+    min_gpus: bool = False  # solve for the fewest data-parallel ranks (powers of two) on which the stack fits
+
+    @property
+    def world_size(self) -> int:
+        return (self.dp or 1) * (self.tp or 1) * (self.pp or 1)
+
+
+def with_degrees(technique: str, tp: int | None, pp: int | None) -> str:
+    """The stack with --tp and --pp written into its parallel techniques (`tensor-parallel:t=8`); ValueError
+    where a degree has no technique to take it or contradicts one the stack already names."""
+    parts = technique.split("+")
+    for flag, name, option, value in (("--tp", "tensor-parallel", "t", tp), ("--pp", "pipeline-parallel", "p", pp)):
+        if value is None:
+            continue
+        found = [i for i, part in enumerate(parts) if part.strip().partition(":")[0] == name]
+        if not found:
+            raise ValueError(f"{flag} {value} needs {name} in the stack (e.g. --technique {name}+{technique})")
+        part = parts[found[0]].strip()
+        given = dict(item.partition("=")[::2] for item in part.split(":")[1:])
+        if option in given and given[option] != str(value):
+            raise ValueError(f"{flag} {value} contradicts {part} in the stack: give the degree once")
+        given[option] = str(value)
+        parts[found[0]] = ":".join([name, *(f"{key}={val}" for key, val in given.items())])
+    return "+".join(parts)
 
 
 def _resolve_all(request: ProjectRequest, profiles) -> list[ResolvedCell]:
@@ -60,15 +85,18 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
     if request.batch_size is not None and request.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {request.batch_size}")
     # Batch 1 until the size is known; the empty size resolves to the workload's default (Cell.resolve).
-    cell = Cell(request.workload, request.size or "", request.mode, request.technique, request.gpu,
+    technique = with_degrees(request.technique, request.tp, request.pp)
+    cell = Cell(request.workload, request.size or "", request.mode, technique, request.gpu,
                 request.batch_size or 1, source="projected", prompt_len=request.prompt_len,
-                gen_len=request.gen_len, world_size=request.dp or 1).resolve(profiles)
+                gen_len=request.gen_len, world_size=request.world_size).resolve(profiles)
     spec = cell.spec
-    if cell.stack.parallel and not (request.dp or request.min_gpus):
-        raise ValueError(f"{cell.stack.name} runs on several GPUs: give --dp N (how many) or --min-gpus")
+    if cell.stack.parallel and request.dp is None and request.tp is None and request.pp is None \
+            and not request.min_gpus:
+        raise ValueError(f"{cell.stack.name} runs on several GPUs: give how many (--dp N, --tp N, --pp N) or "
+                         "--min-gpus")
     if (request.dp or request.min_gpus) and not cell.stack.parallel:
-        raise ValueError("--dp and --min-gpus apply to data-parallel and sharded stacks (data-parallel, zero1, fsdp, "
-                         f"fsdp-zero2, cpu-offload); {cell.stack.name} runs on one GPU")
+        raise ValueError("--dp and --min-gpus apply to parallel stacks (data-parallel, zero1, fsdp, fsdp-zero2, "
+                         f"cpu-offload, tensor-parallel, pipeline-parallel); {cell.stack.name} runs on one GPU")
     if request.max_context and spec.gen_len is None:
         raise ValueError("--max-context solves for a served decoder's longest prompt: it needs --mode infer and a "
                          "decoder workload (gpt)")
@@ -84,8 +112,21 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
         if not 1 <= request.seq_len <= limit:
             raise ValueError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {request.seq_len}")
         spec = dataclasses.replace(spec, seq_len=request.seq_len)
-    # Data parallelism keeps each GPU's batch and multiplies the global one (weak scaling), unless given.
-    return cell.with_spec(spec).with_batch(request.batch_size or spec.batch_size * (request.dp or 1))
+    # Data parallelism keeps each GPU's batch and multiplies the global one (weak scaling), and a pipeline
+    # runs its micro-batches of the size's batch, unless the batch is given.
+    return cell.with_spec(spec).with_batch(request.batch_size or spec.batch_size * (request.dp or 1)
+                                           * _micro_batches(cell))
+
+
+def _micro_batches(cell: ResolvedCell) -> int:
+    from suites.techniques.pipeline import options_of
+
+    pipeline = next((t for t in cell.stack.techniques if t.id.partition(":")[0] == "pipeline-parallel"), None)
+    if pipeline is None:
+        return 1
+    options = options_of(pipeline)
+    stages = options.stages or cell.cell.world_size
+    return options.micro_batches_for(stages) if stages > 1 else 1
 
 
 def projected_rows(request: ProjectRequest, profiles) -> list[Record]:
@@ -100,10 +141,11 @@ MAX_GPUS = 16384
 
 
 def fewest_gpus(request: ProjectRequest, gpu: str, profiles) -> Record:
-    """The row on the fewest GPUs (1, 2, 4, ... up to MAX_GPUS) on which the stack fits, each at the size's
-    batch per GPU unless --batch-size fixes the global one; the last row tried if none fits."""
+    """The row on the fewest GPUs on which the stack fits: data-parallel groups of 1, 2, 4, ... (up to
+    MAX_GPUS in all) of the tensor- and pipeline-parallel degrees given, each at the size's batch per group
+    unless --batch-size fixes the global one; the last row tried if none fits."""
     ranks, record = 1, None
-    while ranks <= MAX_GPUS:
+    while ranks * (request.tp or 1) * (request.pp or 1) <= MAX_GPUS:
         cell = _resolve(dataclasses.replace(request, gpu=gpu, dp=ranks, min_gpus=False), profiles)
         record = to_record(cell, project_outcome(cell), PROJECT_RUN_ID)
         if record.status != "oom":
@@ -112,7 +154,7 @@ def fewest_gpus(request: ProjectRequest, gpu: str, profiles) -> Record:
     verdict = "fits" if record.status == "ok" else record.status
     found = f"--min-gpus: {verdict} on {record.world_size} GPUs"
     if record.status == "oom":
-        found += f" (still out of memory at {MAX_GPUS})"
+        found += f" (still out of memory at {record.world_size}, the most tried)"
     record.notes = "; ".join(filter(None, [record.notes, found]))
     return record
 

@@ -21,6 +21,7 @@ from suites.techniques import (
     offload,  # optimizer state in host memory
     optimizers,  # optimizer implementations
     parallel,  # T13, T16: data parallelism and sharding
+    pipeline,  # T13: pipeline parallelism
     precision,  # T1
     pruning,  # T4
     quantization,  # T7-T8
@@ -48,6 +49,7 @@ FAMILIES = [
     offload,
     adapters,
     parallel,
+    pipeline,
 ]
 
 BASELINE = "baseline"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from dataclasses import replace
 
 import torch
 
@@ -130,17 +131,14 @@ def _head_major(weight: torch.Tensor, heads: int, kv_heads: int, ranks: int) -> 
     return torch.cat(parts)
 
 
-def _apply_tp(run: Run) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    dist = distributed()
-    ranks = dist.get_world_size()
-    roles, mlp = run.workload.traits.attention, run.workload.traits.mlp
-    mesh = _mesh(run)
-    run.model.to(rank_device(run))
-    sharded = 0
-    for module in run.model.modules():
-        plan = {}
+def tp_modules(model: torch.nn.Module, workload, ranks: int):
+    """(module, "attention" or "mlp") for each module tensor parallelism shards over `ranks`, checked
+    that it splits: whole query and key/value heads per rank, MLP neurons in equal parts, plain Linear
+    layers (another technique's wrapper cannot be sharded). Shared by the real technique and the
+    projection's one-rank model."""
+    roles, mlp = workload.traits.attention, workload.traits.mlp
+    found = []
+    for module in model.modules():
         if hasattr(module, roles.qkv) and hasattr(module, roles.heads):
             heads = getattr(module, roles.heads)
             groups = getattr(module, roles.kv_groups) if roles.kv_groups else 1
@@ -151,25 +149,52 @@ def _apply_tp(run: Run) -> None:
             if not isinstance(qkv, torch.nn.Linear):  # an adapter's wrapper: ColwiseParallel takes Linear layers
                 raise Unsupported(f"tensor parallelism shards plain Linear layers; {roles.qkv} is a "
                                   f"{type(qkv).__name__} (another technique of the stack replaced it)")
+            found.append((module, "attention"))
+        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and hasattr(getattr(module, mlp.up), "base_layer"):
+            raise Unsupported(f"tensor parallelism shards plain Linear layers; {mlp.up} is wrapped by an adapter "
+                              f"({type(getattr(module, mlp.up)).__name__})")
+        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and isinstance(getattr(module, mlp.up),
+                                                                                  torch.nn.Linear):
+            if getattr(module, mlp.up).out_features % ranks:
+                raise Unsupported(f"{getattr(module, mlp.up).out_features} MLP neurons do not split over {ranks} "
+                                  "ranks")
+            found.append((module, "mlp"))
+    if not found:
+        raise Unsupported(f"{workload.name} declares no attention or MLP modules to shard")
+    return found
+
+
+def _apply_tp(run: Run, ranks: int | None = None) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist = distributed()
+    world = dist.get_world_size()
+    if ranks is not None and ranks != world:
+        raise Unsupported(f"tensor-parallel:t={ranks} on {world} ranks needs a 2-D device mesh (tensor-parallel "
+                          "groups inside data-parallel or pipeline groups), which headroom measures only as "
+                          f"projections yet; run it on --world-size {ranks}")
+    ranks = world
+    roles, mlp = run.workload.traits.attention, run.workload.traits.mlp
+    mesh = _mesh(run)
+    run.model.to(rank_device(run))
+    modules = tp_modules(run.model, run.workload, ranks)
+    for module, kind in modules:
+        if kind == "attention":
+            heads = getattr(module, roles.heads)
+            groups = getattr(module, roles.kv_groups) if roles.kv_groups else 1
+            qkv = getattr(module, roles.qkv)
             with torch.no_grad():
                 qkv.weight.copy_(_head_major(qkv.weight, heads, heads // groups, ranks))
                 if qkv.bias is not None:
                     qkv.bias.copy_(_head_major(qkv.bias, heads, heads // groups, ranks))
             setattr(module, roles.heads, heads // ranks)  # this rank computes its own heads only
             plan = {roles.qkv: ColwiseParallel(), roles.out: RowwiseParallel()}
-        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and hasattr(getattr(module, mlp.up), "base_layer"):
-            raise Unsupported(f"tensor parallelism shards plain Linear layers; {mlp.up} is wrapped by an adapter "
-                              f"({type(getattr(module, mlp.up)).__name__})")
-        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and isinstance(getattr(module, mlp.up),
-                                                                                  torch.nn.Linear):
+        else:
             plan = {mlp.up: ColwiseParallel(), mlp.down: RowwiseParallel()}
             if mlp.gate and getattr(module, mlp.gate, None) is not None:
                 plan[mlp.gate] = ColwiseParallel()
-        if plan:
-            parallelize_module(module, mesh, plan)
-            sharded += 1
-    if not sharded:
-        raise Unsupported(f"{run.workload.name} declares no attention or MLP modules to shard")
+        parallelize_module(module, mesh, plan)
+    sharded = len(modules)
     run.optimizer_factory = _grouped(run.optimizer_factory)
     run.placed = True
     activations = run.size.seq_len * run.size.config.get("n_embd", 0) * 4  # fp32 bytes per sample
@@ -178,6 +203,20 @@ def _apply_tp(run: Run) -> None:
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
                      f"projections row-parallel and all-reduced; embeddings and norms replicated")
+
+
+def tp_options(options: dict[str, str]) -> int | None:
+    """tensor-parallel's one option, `t` (ranks per tensor-parallel group); None: every rank."""
+    unknown = set(options) - {"t"}
+    if unknown:
+        raise ValueError(f"tensor-parallel takes one option, t (ranks per group), not {', '.join(sorted(unknown))}")
+    try:
+        ranks = int(options["t"])
+    except ValueError:
+        raise ValueError(f"tensor-parallel: t must be a whole number of ranks, got {options['t']!r}") from None
+    if ranks < 1:
+        raise ValueError(f"tensor-parallel: t must be at least 1, got {ranks}")
+    return ranks
 
 
 def _grouped(factory):
@@ -245,9 +284,25 @@ CPU_OFFLOAD = Technique(
     summary="FSDP2 with its offload policy: parameter shards, gradients and the optimizer step in host memory",
     check=_check_offload, apply=lambda run: _shard(run, reshard_after_forward=True, offload=True))
 
-TENSOR_PARALLEL = Technique(
-    id="tensor-parallel", phase=Phase.PARALLEL, changes_numerics=False, guide="T13",
-    summary="Megatron-style: QKV and first MLP layers column-parallel, output projections row-parallel (DTensor)",
-    check=_check_tp, apply=_apply_tp)
+def _tensor_parallel(ranks: int | None = None) -> Technique:
+    """tensor-parallel over every rank, or (`tensor-parallel:t=8`) over groups of `ranks`."""
+    base = Technique(
+        id="tensor-parallel" + (f":t={ranks}" if ranks else ""), phase=Phase.PARALLEL, changes_numerics=False,
+        guide="T13", exclusive="tensor-parallel",
+        summary="Megatron-style: QKV and first MLP layers column-parallel, output projections row-parallel (DTensor)",
+        check=_check_tp, apply=lambda run: _apply_tp(run, ranks))
+    return replace(base, configure=lambda given: _tensor_parallel(tp_options(given)))
+
+
+def degree(technique: Technique, option: str) -> int | None:
+    """The ranks a configured parallel technique names (`tensor-parallel:t=8` -> 8), None if not given."""
+    for item in technique.id.split(":")[1:]:
+        key, _, value = item.partition("=")
+        if key == option:
+            return int(value)
+    return None
+
+
+TENSOR_PARALLEL = _tensor_parallel()
 
 TECHNIQUES = (DATA_PARALLEL, ZERO1, FSDP, FSDP_ZERO2, CPU_OFFLOAD, TENSOR_PARALLEL)

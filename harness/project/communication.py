@@ -1,0 +1,93 @@
+"""What a parallel step sends and how long the sending takes: ring collectives over the profile's links
+(NVLink, or the host link, inside a node of `node_gpus`; the node's network between nodes), overlapped
+with the compute they run under as the schedule allows.
+
+Volumes are the ring algorithms' (Patarasuk & Yuan 2009): an all-reduce sends 2 (n - 1) / n of the
+buffer from each rank, an all-gather or reduce-scatter (n - 1) / n. Ranks are laid out tensor-parallel
+innermost, then data-parallel, then pipeline stages (Megatron-LM's order), so a group of n ranks spans
+that many consecutive GPUs. Not yet checked against a measured multi-GPU step.
+"""
+
+from __future__ import annotations
+
+# DDP's gradient buckets (25 MiB by default): the last one's all-reduce cannot hide under the backward.
+DDP_BUCKET_BYTES = 25 * 2**20
+SHARDED = ("fsdp", "fsdp-zero2", "cpu-offload")
+
+
+def link_bytes_s(profile, ranks: int) -> tuple[float | None, str]:
+    """One direction of the slowest link a ring over `ranks` consecutive GPUs crosses, and which link that
+    is: inside a node NVLink (its datasheet figure is both directions) or, without one, the host link;
+    between nodes the node's network shared by its GPUs."""
+    links = profile.interconnect or {}
+    node = links.get("node_gpus") or 8
+    if ranks > node:
+        network = links.get("node_network_gb_s")
+        if not network:
+            return None, f"no inter-node bandwidth known for {profile.id} (interconnect.node_network_gb_s)"
+        return network * 1e9 / node, f"{network:g} GB/s node network shared by {node} GPUs"
+    nvlink = links.get("gpu_link_gb_s")
+    if nvlink and links.get("gpu_link", "").startswith("NVLink") and "bridge" not in links.get("gpu_link", ""):
+        return nvlink * 1e9 / 2, f"{links.get('gpu_link', 'GPU link')} ({nvlink:g} GB/s both ways)"
+    host = links.get("host_link_gb_s")
+    if host:
+        return host * 1e9 / 2, f"{links.get('host_link', 'host link')} through the host ({host:g} GB/s both ways)"
+    return None, f"no GPU or host link bandwidth known for {profile.id}"
+
+
+def collective_bytes(technique: str | None, dp: int, params: int, grads: int, micro_batches: int = 1
+                     ) -> dict[str, float]:
+    """Bytes each data-parallel rank sends per step, per phase the collective runs under. DDP and ZeRO-1
+    all-reduce the gradients once per step (accumulating micro-batches without syncing); FSDP2, as it runs
+    by default, gathers the parameters and reduce-scatters the gradients for every micro-batch."""
+    if technique is None or dp == 1:
+        return {}
+    share = (dp - 1) / dp
+    if technique == "data-parallel":
+        return {"backward": 2 * share * grads}
+    if technique == "zero1":
+        return {"backward": 2 * share * grads, "optimizer": share * params}  # + the updated shards' broadcast
+    if technique == "fsdp-zero2":
+        return {"forward": micro_batches * share * params, "backward": micro_batches * share * grads}
+    # ZeRO-3 gathers again for the backward.
+    return {"forward": micro_batches * share * params, "backward": micro_batches * share * (params + grads)}
+
+
+def exposed_s(sent: dict[str, float], windows: dict[str, float], link: float, technique: str | None) -> float:
+    """Communication seconds the step cannot hide: collectives overlap the compute window of the phase they
+    run under (FSDP prefetches the next block's gather, DDP all-reduces buckets as gradients are ready);
+    whatever outlasts the window shows, and DDP's last bucket always does. ZeRO-1's broadcast follows the
+    step."""
+    total = 0.0
+    for phase, size in sent.items():
+        seconds = size / link
+        if phase == "optimizer":
+            total += seconds
+        else:
+            total += max(0.0, seconds - windows.get(phase, 0.0))
+    if technique in ("data-parallel", "zero1") and sent.get("backward"):
+        total += min(DDP_BUCKET_BYTES, sent["backward"]) / link
+    return total
+
+
+def data_parallel_windows(technique: str | None, forward_s: float, backward_s: float, micro_batches: int
+                          ) -> dict[str, float]:
+    """The compute each phase's collectives can hide under: every micro-batch's for FSDP's per-micro-batch
+    gathers, the last micro-batch's backward for DDP's once-per-step all-reduce."""
+    repeats = micro_batches if technique in SHARDED else 1
+    return {"forward": micro_batches * forward_s, "backward": repeats * backward_s}
+
+
+def tensor_parallel_bytes(tp: int, sharded: int, activation_bytes: int, recomputed: bool) -> float:
+    """Bytes each tensor-parallel rank sends per micro-batch: every row-parallel output is all-reduced in
+    the forward (again when checkpointing recomputes it) and its input's gradient in the backward, with
+    no compute to hide under (Megatron's f and g operators, Shoeybi et al. 2019, figure 3)."""
+    if tp == 1:
+        return 0.0
+    passes = 2 + int(recomputed)
+    return passes * sharded * 2 * (tp - 1) / tp * activation_bytes
+
+
+def pipeline_bytes(pp: int, activation_bytes: int) -> float:
+    """Bytes a stage sends per micro-batch: its output forward, the gradient of its input backward."""
+    return 2.0 * activation_bytes if pp > 1 else 0.0
