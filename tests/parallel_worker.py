@@ -32,7 +32,7 @@ def losses(stack: str) -> dict:
     generator = torch.Generator().manual_seed(1)
     out = []
     for _ in range(2):
-        batch = rank_slice(workload.batch(spec, GLOBAL_BATCH, generator), run.data_parallel)
+        batch = rank_slice(workload.batch(spec, GLOBAL_BATCH, generator), run.data_parallel, run.data_rank)
         loss = step(batch).detach().clone()
         if dist.is_initialized():
             dist.all_reduce(loss)  # each rank's mean over its equal slice: their mean is the global mean

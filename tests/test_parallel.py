@@ -73,6 +73,14 @@ def test_tensor_parallel_shards_whole_heads_and_keeps_the_loss(single, tmp_path)
     assert sum(p.numel() for p in model.parameters()) == result["local_params"]
 
 
+def test_fsdp_over_groups_of_tensor_parallel_ranks_on_a_2d_mesh_keeps_the_loss(single, tmp_path):
+    # 4 ranks: 2 data-parallel groups of 2 tensor-parallel ranks; FSDP2 shards each rank's part again in two.
+    tensor = _worker("tensor-parallel", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
+    both = _worker("tensor-parallel:t=2+fsdp", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=4"])
+    assert both["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    assert both["local_params"] * 2 == tensor["local_params"]
+
+
 def test_a_column_parallel_layer_equals_the_whole_layer_and_the_guides_sample_does_not(tmp_path):
     result = _worker("column", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
     assert result["max_error"] == 0.0 and result["local_shape"] == [4, 4]  # each rank: half the outputs

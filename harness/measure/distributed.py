@@ -102,8 +102,9 @@ def fold(rank_rows: list[Record | None], missing_row) -> list[Record]:
     return [dataclasses.replace(cell, **values), *rows]
 
 
-def rank_slice(batch: dict, parts: int) -> dict:
-    """This rank's equal slice of a global batch every rank drew alike (the whole batch when `parts` is 1)."""
+def rank_slice(batch: dict, parts: int, index: int | None = None) -> dict:
+    """Slice `index` (default: this rank's) of `parts` equal slices of a global batch every rank drew alike
+    (the whole batch when `parts` is 1)."""
     from suites.step import split_batch
 
-    return batch if parts <= 1 else split_batch(batch, parts)[rank()]
+    return batch if parts <= 1 else split_batch(batch, parts)[rank() if index is None else index]

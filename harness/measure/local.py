@@ -99,7 +99,7 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         step = Step(run, device)
         # Every rank draws the same global batch and keeps its slice (data-parallel and sharded stacks).
         global_batch = workload.batch(spec, cell.batch_size, generator)
-        batch = {k: v.to(device) for k, v in rank_slice(global_batch, run.data_parallel).items()}
+        batch = {k: v.to(device) for k, v in rank_slice(global_batch, run.data_parallel, run.data_rank).items()}
         warm_up_started = time.perf_counter()
         for _ in range(settings.warmup):
             step(batch)

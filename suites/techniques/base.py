@@ -65,6 +65,10 @@ class Run:
         compiled: the model runs through torch.compile (the `compile` technique).
         input_dtype: floating inputs are cast to it before inference (a model held in 16 bits).
         data_parallel: ranks the global batch is split over (data-parallel and sharded stacks).
+        data_rank: this rank's index among those `data_parallel` ranks (None: its global rank); tensor-parallel
+            ranks of one group share it and so their slice.
+        mesh: the device mesh the stack's parallel techniques share: 2-D (`dp`, `tp`) where tensor
+            parallelism runs in groups smaller than the world (None: each builds a 1-D one).
         comm_bytes_per_step: bytes each rank sends per step for a parallel stack (ring algorithms).
         placed: a parallel technique put the model on its devices (FSDP2 offload keeps shards on the host),
             so measurement must not move it.
@@ -90,6 +94,8 @@ class Run:
     input_dtype: torch.dtype | None = None
     allocator: str = "native"
     data_parallel: int = 1
+    data_rank: int | None = None
+    mesh: Any = None
     comm_bytes_per_step: int | None = None
     placed: bool = False
     env: dict[str, str] = field(default_factory=dict)

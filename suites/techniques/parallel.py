@@ -39,30 +39,40 @@ def rank_device(run: Run) -> torch.device:
 
 
 def _mesh(run: Run):
+    """The data-parallel mesh: the `dp` dimension of the stack's 2-D mesh, or every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist = distributed()
-    return init_device_mesh(rank_device(run).type, (dist.get_world_size(),))
+    if run.mesh is not None:
+        return run.mesh["dp"] if run.mesh.ndim == 2 else run.mesh
+    run.mesh = init_device_mesh(rank_device(run).type, (distributed().get_world_size(),))
+    return run.mesh
 
 
-def _splits_batch(run: Run, dist) -> None:
+def _splits_batch(run: Run, dist, sharded: bool) -> None:
+    """Set the data-parallel ranks and this rank's slice: every rank, or the `dp` dimension of a 2-D mesh
+    (tensor-parallel ranks of one group take the same slice)."""
     from torch.distributed.tensor import DTensor
 
+    world, index = dist.get_world_size(), None
     if any(isinstance(p, DTensor) for p in run.model.parameters()):
-        raise Unsupported("data parallelism on top of tensor parallelism needs a 2-D device mesh (ranks split into "
-                          "data-parallel groups of tensor-parallel ranks), which headroom does not build yet")
-    world = dist.get_world_size()
+        if run.mesh is None or run.mesh.ndim != 2:
+            raise Unsupported("tensor-parallel takes every rank here, leaving none to split the batch over: give it "
+                              "groups (tensor-parallel:t=N with N below the world size)")
+        if not sharded:
+            raise Unsupported("DDP does not take tensor-parallel (DTensor) parameters: on top of tensor parallelism "
+                              "use fsdp, which shards over the 2-D mesh's data-parallel dimension")
+        world, index = run.mesh["dp"].size(), run.mesh["dp"].get_local_rank()
     if run.batch_size % (world * run.micro_batches):
         raise Unsupported(f"the global batch {run.batch_size} does not split into {world} ranks x "
                           f"{run.micro_batches} micro-batches")
-    run.data_parallel = world
+    run.data_parallel, run.data_rank = world, index
 
 
 def _apply_ddp(run: Run) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     dist = distributed()
-    _splits_batch(run, dist)
+    _splits_batch(run, dist, sharded=False)
     device = rank_device(run)
     run.model = DistributedDataParallel(run.model.to(device), device_ids=[device.index] if device.index is not None
                                         else None)
@@ -97,7 +107,7 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     dist = distributed()
-    _splits_batch(run, dist)
+    _splits_batch(run, dist, sharded=True)
     mesh = _mesh(run)
     run.model.to(rank_device(run))
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
@@ -111,10 +121,10 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool) -> None:
     # Global (unsharded) bytes: every parameter is gathered, only trained ones have gradients to scatter.
     params = sum(p.numel() * p.element_size() for p in run.model.parameters())
     trained = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
-    world = dist.get_world_size()
+    world = run.data_parallel
     gathers = 1 if not reshard_after_forward else 2  # forward, and again for the backward unless kept
     run.comm_bytes_per_step = int((world - 1) / world * (params * gathers + trained))
-    run.notes.append(f"FSDP2 over {world} ranks, {len(blocks)} blocks sharded one by one"
+    run.notes.append(f"FSDP2 over {world} data-parallel ranks, {len(blocks)} blocks sharded one by one"
                      + ("; parameters kept gathered from forward to backward (ZeRO-2)" if not reshard_after_forward
                         else "") + ("; shards and optimizer step in host memory" if offload else "")
                      + f"; {run.comm_bytes_per_step:,} bytes sent per rank per step (ring all-gather / "
@@ -165,17 +175,22 @@ def tp_modules(model: torch.nn.Module, workload, ranks: int):
 
 
 def _apply_tp(run: Run, ranks: int | None = None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     dist = distributed()
     world = dist.get_world_size()
-    if ranks is not None and ranks != world:
-        raise Unsupported(f"tensor-parallel:t={ranks} on {world} ranks needs a 2-D device mesh (tensor-parallel "
-                          "groups inside data-parallel or pipeline groups), which headroom measures only as "
-                          f"projections yet; run it on --world-size {ranks}")
-    ranks = world
+    ranks = ranks or world
+    if world % ranks:
+        raise Unsupported(f"tensor-parallel:t={ranks} does not divide {world} ranks into groups")
+    if ranks < world:
+        # Groups of `ranks` consecutive ranks (tensor parallelism innermost, on the fastest links), the
+        # groups side by side on the data-parallel dimension that a sharding technique then uses.
+        run.mesh = init_device_mesh(rank_device(run).type, (world // ranks, ranks), mesh_dim_names=("dp", "tp"))
+        mesh = run.mesh["tp"]
+    else:
+        mesh = _mesh(run)
     roles, mlp = run.workload.traits.attention, run.workload.traits.mlp
-    mesh = _mesh(run)
     run.model.to(rank_device(run))
     modules = tp_modules(run.model, run.workload, ranks)
     for module, kind in modules:
@@ -198,11 +213,13 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     run.optimizer_factory = _grouped(run.optimizer_factory)
     run.placed = True
     activations = run.size.seq_len * run.size.config.get("n_embd", 0) * 4  # fp32 bytes per sample
+    groups = world // ranks  # each group runs its data-parallel slice of the batch
     # Each row-parallel output is all-reduced forward and its input's gradient backward: two per module.
-    run.comm_bytes_per_step = int(2 * (ranks - 1) / ranks * activations * run.batch_size * 2 * sharded)
+    run.comm_bytes_per_step = int(2 * (ranks - 1) / ranks * activations * run.batch_size // groups * 2 * sharded)
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
-                     f"projections row-parallel and all-reduced; embeddings and norms replicated")
+                     f"projections row-parallel and all-reduced; embeddings and norms replicated"
+                     + (f"; {groups} such groups on a 2-D (dp, tp) mesh" if groups > 1 else ""))
 
 
 def tp_options(options: dict[str, str]) -> int | None:
