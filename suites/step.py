@@ -92,6 +92,8 @@ class Step:
     def _train_step(self, batch: Batch, mark: Mark) -> torch.Tensor:
         run, optimizer = self.run, self.optimizer
         optimizer.zero_grad(set_to_none=True)
+        if run.pipeline is not None:
+            return self._pipeline_step(batch, mark)
         parts = run.micro_batches
         total = None
         for micro in split_batch(batch, parts):
@@ -115,6 +117,23 @@ class Step:
         if mark:
             mark("optimizer_end")
         return total
+
+    def _pipeline_step(self, batch: Batch, mark: Mark) -> torch.Tensor:
+        """A pipeline stage's step: its schedule interleaves the micro-batches' forwards and backwards, so
+        no forward's end can be marked (the row's activations stay unknown), only the step's phases."""
+        if self.scaler:
+            from suites.techniques.base import Unsupported
+
+            raise Unsupported("fp16 loss scaling across pipeline stages is not built: use amp-bf16")
+        if mark:
+            mark("forward_start")
+        loss = self.run.pipeline.step(batch, self.device, self.autocast())
+        if mark:
+            mark("backward_end")
+        self.optimizer.step()
+        if mark:
+            mark("optimizer_end")
+        return loss
 
     def _infer_step(self, batch: Batch, mark: Mark) -> torch.Tensor:
         if self.generates:

@@ -36,7 +36,8 @@ def losses(stack: str) -> dict:
         loss = step(batch).detach().clone()
         if dist.is_initialized():
             dist.all_reduce(loss)  # each rank's mean over its equal slice: their mean is the global mean
-            loss /= dist.get_world_size()
+            # Pipeline stages other than the last hold no loss: average over the pipelines only.
+            loss /= dist.get_world_size() // (run.pipeline.stages if run.pipeline else 1)
         out.append(loss.item())
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in run.model.parameters())
     return {"losses": out, "local_params": local, "optimizer_bytes": optimizer_state_bytes(step.optimizer),

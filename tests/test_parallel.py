@@ -188,3 +188,19 @@ def test_a_rank_that_hangs_is_named_and_the_finished_ranks_keep_their_rows():
     assert rows[1].status == "ok" and rows[1].peak_allocated_bytes == 1024
     assert rows[2].status == "timeout" and rows[2].reason.startswith("rank 1 wrote no row: still running")
     assert rows[0].status == "timeout" and rows[0].reason.startswith("rank 1 of 2")
+
+
+@pytest.mark.parametrize("stack", ["pipeline-parallel", "pipeline-parallel:m=2:schedule=gpipe"])
+def test_two_pipeline_stages_give_the_single_process_losses(stack, single, tmp_path):
+    result = _worker(stack, tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
+    # Micro-batches accumulate to the whole batch's gradient, and GPT-2's tied embedding's two copies (first
+    # and last stage) get the sum of both uses: the same steps as one process.
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    from suites.workloads import get_workload
+
+    workload = get_workload("gpt")
+    model = workload.build(workload.size("smoke"))
+    # Rank 0 reports: the first stage holds the first of the two blocks and the embeddings, nothing else.
+    first = [model.blocks[0], model.wte, model.wpe]
+    assert result["local_params"] == sum(p.numel() for module in first for p in module.parameters())
+    assert result["comm"] > 0

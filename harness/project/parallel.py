@@ -121,8 +121,10 @@ def layout_of(cell: ResolvedCell) -> Layout:
     if dp > 1 and data is None:
         raise Unsupported(f"{world} GPUs leave {dp} data-parallel groups of {tp * pp}, but the stack has no "
                           "data-parallel or sharding technique: add data-parallel, zero1 or fsdp, or give --dp 1")
-    micro = pipeline.micro_batches_for(pp) if pipeline and pp > 1 else 1
-    return Layout(dp=dp, tp=tp, pp=pp, micro_batches=micro, in_flight=pipeline.in_flight(pp) if pp > 1 else 1,
+    per_pipeline = cell.batch_size // dp if cell.batch_size % dp == 0 else None
+    micro = pipeline.micro_batches_for(pp, per_pipeline) if pipeline and pp > 1 else 1
+    in_flight = pipeline.in_flight(pp, per_pipeline) if pipeline and pp > 1 else 1
+    return Layout(dp=dp, tp=tp, pp=pp, micro_batches=micro, in_flight=in_flight,
                   schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data)
 
 

@@ -67,6 +67,7 @@ class Run:
         data_parallel: ranks the global batch is split over (data-parallel and sharded stacks).
         data_rank: this rank's index among those `data_parallel` ranks (None: its global rank); tensor-parallel
             ranks of one group share it and so their slice.
+        pipeline: this rank's pipeline stage runner (`pipeline-parallel`), which then runs the train step.
         mesh: the device mesh the stack's parallel techniques share: 2-D (`dp`, `tp`) where tensor
             parallelism runs in groups smaller than the world (None: each builds a 1-D one).
         comm_bytes_per_step: bytes each rank sends per step for a parallel stack (ring algorithms).
@@ -96,6 +97,7 @@ class Run:
     data_parallel: int = 1
     data_rank: int | None = None
     mesh: Any = None
+    pipeline: Any = None
     comm_bytes_per_step: int | None = None
     placed: bool = False
     env: dict[str, str] = field(default_factory=dict)

@@ -4,19 +4,23 @@ micro-batch forward, then every one backward (m micro-batches' activations held)
 the pipeline is full, so the first stage holds at most p. Either way the stages idle for (p - 1) of the
 (m + p - 1) slots of a step: the bubble (Narayanan et al. 2021, arXiv:2104.04473, section 2.2).
 
-Projected (harness/project/parallel.py); measuring it under torchrun (torch.distributed.pipelining
-needs each workload split into stage modules) is not built yet, and the row says so.
+Measured under torchrun with torch.distributed.pipelining (one stage per rank, the workload cut by its
+`Pipelining` hook) and projected (harness/project/parallel.py).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 
-from suites.techniques.base import Phase, Technique, Unsupported
+import torch
+
+from suites.techniques.base import Phase, Run, Technique, Unsupported
 
 SCHEDULES = ("1f1b", "gpipe")
 # Micro-batches per step when not given: 4 per stage keeps the bubble (p - 1) / (m + p - 1) under 1/5
-# at any p (7/39 = 18% at p = 8), the regime Narayanan et al. 2021 (figure 13) run GPT models in.
+# at any p (7/39 = 18% at p = 8), the regime Narayanan et al. 2021 (figure 13) run GPT models in; fewer
+# where the batch does not divide into that many.
 MICRO_BATCHES_PER_STAGE = 4
 
 
@@ -28,12 +32,19 @@ class PipelineOptions:
     micro_batches: int | None = None
     schedule: str = "1f1b"
 
-    def micro_batches_for(self, stages: int) -> int:
-        return self.micro_batches or MICRO_BATCHES_PER_STAGE * stages
+    def micro_batches_for(self, stages: int, batch: int | None = None) -> int:
+        """The micro-batches per step: as given, else MICRO_BATCHES_PER_STAGE per stage, or the most up to
+        that which divide `batch` evenly."""
+        if self.micro_batches:
+            return self.micro_batches
+        most = MICRO_BATCHES_PER_STAGE * stages
+        if batch is None:
+            return most
+        return max(m for m in range(1, min(most, batch) + 1) if batch % m == 0)
 
-    def in_flight(self, stages: int) -> int:
+    def in_flight(self, stages: int, batch: int | None = None) -> int:
         """Micro-batches whose activations the first stage holds at once."""
-        micro = self.micro_batches_for(stages)
+        micro = self.micro_batches_for(stages, batch)
         return micro if self.schedule == "gpipe" else min(stages, micro)
 
 
@@ -76,9 +87,86 @@ def _check(profile, workload, mode):
     return None
 
 
-def _apply(run) -> None:
-    raise Unsupported("measuring pipeline parallelism is not built yet (torch.distributed.pipelining needs each "
-                      "workload split into stage modules); headroom project projects it: --pp N")
+class PipelineRunner:
+    """One rank's stage and its schedule: a training step is one `schedule.step` over the micro-batches
+    (the first stage feeds the inputs, the last computes the loss), then the gradients of what the first
+    and last stages both hold are summed."""
+
+    def __init__(self, run: Run, index: int, stages: int, options: PipelineOptions, tied_group):
+        self.run, self.index, self.stages, self.options = run, index, stages, options
+        self.micro_batches = options.micro_batches_for(stages, run.batch_size)
+        self.tied_group = tied_group
+        self.schedule = None
+
+    def _build(self, device: torch.device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        pipelining, micro = self.run.workload.pipelining, self.micro_batches
+        stage = PipelineStage(self.run.model, self.index, self.stages, device)
+        kind = ScheduleGPipe if self.options.schedule == "gpipe" else Schedule1F1B
+        options = {}
+        if "scale_grads" in inspect.signature(kind.__init__).parameters:
+            options["scale_grads"] = False  # the loss below is already the mean over micro-batches
+        return kind(stage, n_microbatches=micro, loss_fn=lambda out, target: pipelining.loss(out, target) / micro,
+                    **options)
+
+    def step(self, batch: dict, device: torch.device, autocast) -> torch.Tensor:
+        """One step's forward and backward over every micro-batch; the loss on the last stage, 0 elsewhere."""
+        if self.schedule is None:
+            self.schedule = self._build(device)
+        pipelining, losses = self.run.workload.pipelining, []
+        # The last stage would otherwise keep every micro-batch's output to merge them: only losses are used.
+        quiet = {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters \
+            else {}
+        with autocast:
+            if self.index == 0:
+                self.schedule.step(batch[pipelining.inputs], **quiet)
+            elif self.index == self.stages - 1:
+                self.schedule.step(target=batch[pipelining.target], losses=losses, **quiet)
+            else:
+                self.schedule.step(**quiet)
+        tied = self.run.model.tied_parameters() if hasattr(self.run.model, "tied_parameters") else []
+        if self.tied_group is not None and tied:
+            import torch.distributed as dist
+
+            for parameter in tied:
+                dist.all_reduce(parameter.grad, group=self.tied_group)
+        return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
+
+
+def _apply(run: Run, options: PipelineOptions) -> None:
+    from suites.techniques.parallel import distributed, rank_device
+
+    dist = distributed()
+    world, pipelining = dist.get_world_size(), run.workload.pipelining
+    stages = options.stages or world
+    if pipelining is None:
+        raise Unsupported(f"{run.workload.name} does not say how to cut it into stages (Workload.pipelining)")
+    if stages != world:
+        raise Unsupported(f"pipeline-parallel:p={stages} on {world} ranks (pipelines side by side) is projected "
+                          f"only; measure it on --world-size {stages}")
+    micro = options.micro_batches_for(stages, run.batch_size)
+    if run.batch_size % micro:
+        raise Unsupported(f"the global batch {run.batch_size} does not split into {micro} micro-batches: give a "
+                          f"multiple of {micro} or pipeline-parallel:m=N")
+    if run.micro_batches > 1:
+        raise Unsupported("the pipeline's micro-batches already accumulate gradients: drop grad-accumulation "
+                          "(pipeline-parallel:m=N sets their number)")
+    index = dist.get_rank()
+    try:
+        run.model = pipelining.stage(run.model, index, stages).to(rank_device(run))
+    except ValueError as error:
+        raise Unsupported(str(error)) from None
+    run.placed = True
+    # Every rank calls new_group, even those outside it (torch.distributed's rule).
+    tied_group = dist.new_group([0, stages - 1]) if stages > 1 else None
+    run.pipeline = PipelineRunner(run, index, stages, options, tied_group if index in (0, stages - 1) else None)
+    # Activations go on to the next stage, their gradients back to the previous one (the fp32 residual stream).
+    activation = run.batch_size * (run.size.seq_len or 0) * run.size.config.get("n_embd", 0) * 4
+    run.comm_bytes_per_step = activation * ((index < stages - 1) + (index > 0))
+    run.notes.append(f"stage {index + 1} of {stages} ({options.schedule.upper()}, {micro} micro-batches of "
+                     f"{run.batch_size // micro}; torch.distributed.pipelining): its blocks"
+                     + (", the embeddings" if index == 0 else "") + (", the head" if index == stages - 1 else ""))
 
 
 def _technique(options: PipelineOptions) -> Technique:
@@ -86,7 +174,7 @@ def _technique(options: PipelineOptions) -> Technique:
         id=canonical_name(options), phase=Phase.PARALLEL, changes_numerics=False, guide="T13",
         exclusive="pipeline-parallel", order=1,
         summary="consecutive blocks per rank, micro-batches flowing through the stages (GPipe or 1F1B)",
-        check=_check, apply=_apply)
+        check=_check, apply=lambda run: _apply(run, options))
     return replace(base, configure=lambda given: _technique(parse_options(given)))
 
 

@@ -89,6 +89,20 @@ class Serving:
 
 
 @dataclass(frozen=True)
+class Pipelining:
+    """How a workload's model is cut into pipeline stages (the `pipeline-parallel` technique):
+    `stage(model, index, stages)` -> the module stage `index` runs (its share of the blocks, the
+    embeddings on the first stage, the head on the last), with a `tied_parameters()` method naming what
+    the first and last stages both hold and must sum the gradients of; `loss(output, target)` on the last
+    stage's output; the batch keys of the first stage's input and of the last stage's target."""
+
+    stage: Callable[[nn.Module, int, int], nn.Module]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    inputs: str = "input_ids"
+    target: str = "labels"
+
+
+@dataclass(frozen=True)
 class MlpRoles:
     """Attribute names, inside an MLP module, of its expanding layer, its optional gate (SwiGLU) and
     its contracting layer: what neuron pruning rebuilds."""
@@ -150,6 +164,7 @@ class Workload:
         accuracy_metric: name of the metric of its accuracy task (`top1`, `masked-byte-accuracy`, ...);
             the task itself (its data, model size and budget) is in suites/tasks.
         serving: how it is served token by token (decoders), or None: its inference is one forward.
+        pipelining: how it is cut into pipeline stages, or None where it cannot be.
         traits: what techniques and the projection need to know about it (see `Traits`).
     """
 
@@ -165,6 +180,7 @@ class Workload:
     train_flops_per_sample: Callable[[SizeSpec], float]
     accuracy_metric: str = ""
     serving: Serving | None = None
+    pipelining: Pipelining | None = None
     traits: Traits = Traits()
     extra: Mapping[str, Any] = field(default_factory=dict)
 

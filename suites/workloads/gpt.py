@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from suites.kv_cache import KVCache, LayerCache, attention
-from suites.workloads.base import AttentionRoles, Batch, MlpRoles, Serving, SizeSpec, Traits, Workload
+from suites.workloads.base import AttentionRoles, Batch, MlpRoles, Pipelining, Serving, SizeSpec, Traits, Workload
 
 FAMILIES = ("gpt2", "llama")
 
@@ -196,6 +196,50 @@ class GPT(nn.Module):
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.wte.weight)
 
 
+class Stage(nn.Module):
+    """One pipeline stage of a GPT: blocks [start, stop), the embeddings on the first stage and the final
+    norm and head on the last. GPT-2's head reads the embedding matrix, so the last stage holds it too
+    (Megatron-LM's way: both copies start equal and their gradients are summed each step)."""
+
+    def __init__(self, model: GPT, index: int, stages: int):
+        super().__init__()
+        depth = len(model.blocks)
+        if depth % stages:
+            raise ValueError(f"{depth} blocks do not split into {stages} equal pipeline stages")
+        per = depth // stages
+        self.first, self.last = index == 0, index == stages - 1
+        self.blocks = nn.ModuleList(model.blocks[index * per:(index + 1) * per])
+        tied = model.lm_head is None
+        self.wte = model.wte if self.first or (self.last and tied) else None
+        self.wpe = model.wpe if self.first else None
+        self.drop = model.drop
+        self.norm_f = model.norm_f if self.last else None
+        self.lm_head = model.lm_head if self.last else None
+        self.tied = tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            idx = x
+            x = self.wte(idx)
+            if self.wpe is not None:
+                x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        if not self.last:
+            return x
+        x = self.norm_f(x)
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.wte.weight)
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """The embedding matrix where the first and the last stage both hold it (GPT-2's tied head)."""
+        return [self.wte.weight] if self.tied and (self.first or self.last) and self.wte is not None else []
+
+
+def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
 def _gpt2(n_layer: int, n_embd: int, n_head: int, block_size: int, vocab_size: int = 50257) -> dict:
     return dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab_size, block_size=block_size)
 
@@ -315,8 +359,7 @@ def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    logits = forward(model, batch)
-    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+    return logits_loss(forward(model, batch), batch["labels"])
 
 
 def block_lists(model: nn.Module) -> list[nn.Module]:
@@ -376,6 +419,7 @@ WORKLOAD = Workload(
     train_flops_per_sample=train_flops_per_sample,
     accuracy_metric="bits-per-byte",
     serving=Serving(new_cache=new_cache, forward=serve_forward, gathered_bytes=gathered_bytes),
+    pipelining=Pipelining(stage=Stage, loss=logits_loss),
     traits=Traits(uniform_blocks=True, depth_key="n_layer", max_seq_key="block_size",
                   attention=AttentionRoles(qkv="qkv", out="proj", heads="n_head", kv_groups="kv_groups"),
                   mlp=MlpRoles(up="up", gate="gate", down="proj")),
