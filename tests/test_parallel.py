@@ -73,6 +73,14 @@ def test_tensor_parallel_shards_whole_heads_and_keeps_the_loss(single, tmp_path)
     assert sum(p.numel() for p in model.parameters()) == result["local_params"]
 
 
+def test_sequence_parallelism_keeps_the_tensor_parallel_loss(single, tmp_path):
+    # The residual stream, norms and dropout on half the sequence each, all-gathered into each tensor-parallel
+    # region and reduce-scattered out of it: the same steps as one process.
+    result = _worker("tensor-parallel+sequence-parallel", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    assert result["block_input_seq"] * 2 == single["block_input_seq"] == 64  # each rank's half of the sequence
+
+
 def test_fsdp_over_groups_of_tensor_parallel_ranks_on_a_2d_mesh_keeps_the_loss(single, tmp_path):
     # 4 ranks: 2 data-parallel groups of 2 tensor-parallel ranks; FSDP2 shards each rank's part again in two.
     tensor = _worker("tensor-parallel", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])

@@ -125,6 +125,33 @@ def test_the_guides_3d_question_answers_per_gpu_memory_fit_step_mfu_and_cost():
     assert 1 / 512 < ratio < 1.5 / 512
 
 
+def test_tensor_and_sequence_parallel_activations_match_korthikantis_formulas():
+    from harness.project.parallel import _activations_per_block, _sequence_sharded, layout_of, local_cell
+
+    # GPT-3's block in fp32 at t = 8 (Korthikanti et al. 2022, table 2, in 16-bit units: tensor parallel
+    # 10 + 24/t, with sequence parallelism 34/t, per s*b*h; flash attention drops the 5as/h term and this
+    # model's dropout of 0 the two 1-byte residual masks, so 8 + 24/t and 32/t; fp32 doubles the bytes).
+    cell = Cell("gpt", "gpt3-175b", "train", "tensor-parallel:t=8+sequence-parallel", "h100-sxm", 1,
+                source="projected", world_size=8).resolve(PROFILES)
+    layout = layout_of(cell)
+    local = local_cell(cell, layout)
+    sbh = 2048 * 1 * 12288
+    assert _activations_per_block(local) / sbh == pytest.approx(2 * (8 + 24 / 8), rel=0.01)
+    sharded, saved = _sequence_sharded(local, layout, 12)
+    assert sharded / sbh == pytest.approx(2 * 32 / 8, rel=0.01) and saved > 0
+
+
+def test_sequence_parallelism_is_a_tensor_parallel_option_and_says_so_alone():
+    from suites.techniques import parse_stack
+
+    with pytest.raises(ValueError, match="sequence-parallel works through tensor-parallel"):
+        parse_stack("sequence-parallel+amp-bf16")
+    plain = _projected("tensor-parallel:t=8+fsdp+amp-bf16", 64, size="gpt-70b", batch=8)
+    sequence = _projected("tensor-parallel:t=8+sequence-parallel+fsdp+amp-bf16", 64, size="gpt-70b", batch=8)
+    assert sequence.memory.peak_allocated < plain.memory.peak_allocated / 2  # at 8k tokens
+    assert "8-way tensor (sequence parallel) x 8-way fsdp" in "; ".join(sequence.notes)
+
+
 def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
     stack = "pipeline-parallel:p=4:m={m}{schedule}+amp-bf16"
     one_f_one_b, gpipe = (_projected(stack.format(m=16, schedule=s), 4, size="gpt2-1.3b", batch=16)

@@ -43,7 +43,7 @@ from suites.techniques.parallel import degree
 from suites.techniques.pipeline import options_of
 
 DATA_PARALLEL = {"data-parallel", "zero1", "fsdp", "fsdp-zero2", "cpu-offload"}
-PROJECTED = DATA_PARALLEL | {"tensor-parallel", "pipeline-parallel"}
+PROJECTED = DATA_PARALLEL | {"tensor-parallel", "sequence-parallel", "pipeline-parallel"}
 # Blocks whose parameters FSDP2 holds unsharded at once: the one computing and the one prefetched.
 GATHERED_BLOCKS = 2
 # Bytes per element of the activations tensor and pipeline parallelism send: autocast's dtype, else fp32.
@@ -63,6 +63,7 @@ class Layout:
     in_flight: int = 1
     schedule: str = "1f1b"
     data_technique: str | None = None
+    sequence_parallel: bool = False
 
     @property
     def world(self) -> int:
@@ -71,7 +72,7 @@ class Layout:
     def describe(self) -> str:
         parts = []
         if self.tp > 1:
-            parts.append(f"{self.tp}-way tensor")
+            parts.append(f"{self.tp}-way tensor" + (" (sequence parallel)" if self.sequence_parallel else ""))
         if self.pp > 1:
             parts.append(f"{self.pp}-stage {self.schedule.upper()} pipeline ({self.micro_batches} micro-batches)")
         if self.data_technique:
@@ -106,7 +107,7 @@ def layout_of(cell: ResolvedCell) -> Layout:
                           "and pipeline-parallel stacks are); measure it with headroom run --world-size N")
     world = cell.cell.world_size
     data = next((name for name in parallel if name in DATA_PARALLEL), None)
-    alone = len(parallel) == 1
+    alone = len(set(parallel) - {"sequence-parallel"}) == 1  # it shards within tensor-parallel groups
     tp = degree(parallel["tensor-parallel"], "t") if "tensor-parallel" in parallel else 1
     pipeline = options_of(parallel["pipeline-parallel"]) if "pipeline-parallel" in parallel else None
     pp = (pipeline.stages if pipeline else 1)
@@ -125,7 +126,8 @@ def layout_of(cell: ResolvedCell) -> Layout:
     micro = pipeline.micro_batches_for(pp, per_pipeline) if pipeline and pp > 1 else 1
     in_flight = pipeline.in_flight(pp, per_pipeline) if pipeline and pp > 1 else 1
     return Layout(dp=dp, tp=tp, pp=pp, micro_batches=micro, in_flight=in_flight,
-                  schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data)
+                  schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data,
+                  sequence_parallel="sequence-parallel" in parallel)
 
 
 def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
@@ -215,6 +217,21 @@ def _activations_per_block(local: ResolvedCell) -> int:
     return max(0, high.activations_bytes - low.activations_bytes)
 
 
+def _sequence_sharded(local: ResolvedCell, layout: Layout, layers: int) -> tuple[int, int]:
+    """(one micro-batch's activations per block as the rank holds them, the bytes sequence parallelism takes
+    off the traced forward). Tensor parallelism alone leaves the norms' inputs, dropout and the residual
+    stream whole on every rank; sharding them along the sequence too leaves every activation at 1/t of the
+    unsharded block's (Korthikanti et al. 2022, table 2: 34/t + 5as/(ht) against 10 + 24/t + 5as/(ht))."""
+    if not (layout.pp > 1 or layout.sequence_parallel):
+        return 0, 0
+    per_block = _activations_per_block(local)
+    if not layout.sequence_parallel or layout.tp == 1:
+        return per_block, 0
+    whole = Stack(tuple(t for t in local.stack.techniques if not t.id.startswith("tensor-parallel-rank")))
+    sharded = _activations_per_block(dataclasses.replace(local, stack=whole)) // layout.tp
+    return sharded, max(0, layers * (per_block - sharded))
+
+
 def project_parallel(cell: ResolvedCell) -> Outcome:
     """The projected outcome of a parallel stack on `cell.cell.world_size` GPUs: one rank's memory (peaks
     are per rank, never summed) and the step with its pipeline bubble and exposed communication."""
@@ -237,7 +254,9 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
                                                                                "cpu-offload") else 0
     block_grads = round(block * memory.grads / memory.params) if memory.params else 0
     layers = local.workload.depth(local.spec) or 0
-    in_flight = (layout.in_flight - 1) * layers * _activations_per_block(local) if layout.pp > 1 else 0
+    per_block, saved = _sequence_sharded(local, layout, layers)
+    in_flight = (layout.in_flight - 1) * layers * per_block if layout.pp > 1 else 0
+    in_flight -= saved  # negative: what sequence parallelism takes off each forward's activations
     rank = rank_memory(technique, layout.dp, trace.phase_at_peak,
                        (trace.params_bytes, trace.grads_bytes, trace.optimizer_bytes), block, block_grads, in_flight)
     # What the allocator model adds to the trace's live bytes (workspaces), and its reserve, carry over.
@@ -249,6 +268,8 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
              + (f", {layers} of {cell.workload.depth(cell.spec)} blocks (a stage with both the embeddings and the "
                 f"head: the first and last stages' extras together)" if layout.pp > 1 else "")
              + (f"; {layout.in_flight} micro-batches' activations held by the first stage" if layout.pp > 1 else "")
+             + (f"; sequence parallelism takes {saved / 2**20:,.0f} MiB off the forward's activations" if saved
+                else "")
              + (f"; model states moved as {technique} shards them (largest block {block / 2**20:,.0f} MiB)"
                 if block else ""), *memory.notes]
     figures = MemoryFigures(

@@ -176,6 +176,11 @@ def parse_stack(text: str) -> Stack:
             raise ValueError(f"incompatible stack {text!r}: {clash.id} and {part} are both "
                              f"{technique.exclusive} techniques; pick one")
         techniques.append(technique)
+    present = {t.id.partition(":")[0] for t in techniques}
+    for technique in techniques:
+        if technique.requires and technique.requires not in present:
+            raise ValueError(f"{technique.id} works through {technique.requires}: add it to the stack "
+                             f"({technique.requires}+{text})")
     # Phase order, then order and id within a phase, so every spelling of a stack has one canonical name.
     techniques.sort(key=lambda t: (t.phase, t.order, t.id))
     return Stack(tuple(techniques))

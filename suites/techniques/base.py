@@ -67,6 +67,8 @@ class Run:
         data_parallel: ranks the global batch is split over (data-parallel and sharded stacks).
         data_rank: this rank's index among those `data_parallel` ranks (None: its global rank); tensor-parallel
             ranks of one group share it and so their slice.
+        sequence_parallel: tensor parallelism also shards the sequence between its regions (norms,
+            dropout, the residual stream), set by `sequence-parallel` before `tensor-parallel` applies.
         pipeline: this rank's pipeline stage runner (`pipeline-parallel`), which then runs the train step.
         mesh: the device mesh the stack's parallel techniques share: 2-D (`dp`, `tp`) where tensor
             parallelism runs in groups smaller than the world (None: each builds a 1-D one).
@@ -98,6 +100,7 @@ class Run:
     data_rank: int | None = None
     mesh: Any = None
     pipeline: Any = None
+    sequence_parallel: bool = False
     comm_bytes_per_step: int | None = None
     placed: bool = False
     env: dict[str, str] = field(default_factory=dict)
@@ -129,6 +132,8 @@ class Technique:
             with its mask, QAT fine-tunes with fake quantisation); only for post-training techniques.
         configure: for a technique with options (`lora:r=16`), {option: text} -> the variant with them
             (ValueError naming a bad option); None for a technique without options.
+        requires: the id of a technique it works through, which the stack must hold too
+            (`sequence-parallel` shards what `tensor-parallel` leaves whole).
     """
 
     id: str
@@ -143,6 +148,7 @@ class Technique:
     post_training: bool = False
     fine_tune: bool = False
     configure: Callable[[dict[str, str]], Technique] | None = None
+    requires: str | None = None
 
     def __post_init__(self) -> None:
         if self.fine_tune and not self.post_training:

@@ -176,6 +176,7 @@ def tp_modules(model: torch.nn.Module, workload, ranks: int):
 
 def _apply_tp(run: Run, ranks: int | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     dist = distributed()
@@ -193,6 +194,13 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     roles, mlp = run.workload.traits.attention, run.workload.traits.mlp
     run.model.to(rank_device(run))
     modules = tp_modules(run.model, run.workload, ranks)
+    sequence = run.sequence_parallel
+    if sequence and run.size.seq_len % ranks:
+        raise Unsupported(f"sequence-parallel splits the {run.size.seq_len}-token sequence over {ranks} ranks: "
+                          "it does not divide")
+    # With sequence parallelism the row-parallel outputs are reduce-scattered along the sequence instead of
+    # all-reduced (the same bytes), and the residual stream between them stays sharded.
+    row = RowwiseParallel(output_layouts=Shard(1)) if sequence else RowwiseParallel()
     for module, kind in modules:
         if kind == "attention":
             heads = getattr(module, roles.heads)
@@ -203,12 +211,14 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
                 if qkv.bias is not None:
                     qkv.bias.copy_(_head_major(qkv.bias, heads, heads // groups, ranks))
             setattr(module, roles.heads, heads // ranks)  # this rank computes its own heads only
-            plan = {roles.qkv: ColwiseParallel(), roles.out: RowwiseParallel()}
+            plan = {roles.qkv: ColwiseParallel(), roles.out: row}
         else:
-            plan = {mlp.up: ColwiseParallel(), mlp.down: RowwiseParallel()}
+            plan = {mlp.up: ColwiseParallel(), mlp.down: row}
             if mlp.gate and getattr(module, mlp.gate, None) is not None:
                 plan[mlp.gate] = ColwiseParallel()
         parallelize_module(module, mesh, plan)
+    if sequence:
+        _shard_sequence(run.model, run.workload, mesh)
     sharded = len(modules)
     run.optimizer_factory = _grouped(run.optimizer_factory)
     run.placed = True
@@ -219,7 +229,32 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
                      f"projections row-parallel and all-reduced; embeddings and norms replicated"
-                     + (f"; {groups} such groups on a 2-D (dp, tp) mesh" if groups > 1 else ""))
+                     + (f"; {groups} such groups on a 2-D (dp, tp) mesh" if groups > 1 else "")
+                     + ("; sequence parallel: norms, dropout and the residual stream hold 1/"
+                        f"{ranks} of the sequence" if sequence else ""))
+
+
+def _shard_sequence(model: torch.nn.Module, workload, mesh) -> None:
+    """Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198) on a pre-norm model: the residual
+    stream is cut along the sequence where it starts, each norm runs on its rank's part (PyTorch's
+    SequenceParallel) and all-gathers its output for the tensor-parallel region it feeds."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel, parallelize_module
+
+    entry = workload.traits.residual_entry
+    parallelize_module(model, mesh, {entry: PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True)})
+    norms = [name for name, module in model.named_modules()
+             if isinstance(module, torch.nn.LayerNorm | torch.nn.RMSNorm)]
+    for name in norms:
+        parallelize_module(model, mesh, {name: SequenceParallel()})
+        parallelize_module(model, mesh, {name: PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)})
+
+
+def _sequence_parallel(run: Run) -> None:
+    distributed()
+    run.sequence_parallel = True  # tensor-parallel, applied next, builds its plans for it
 
 
 def tp_options(options: dict[str, str]) -> int | None:
@@ -322,4 +357,18 @@ def degree(technique: Technique, option: str) -> int | None:
 
 TENSOR_PARALLEL = _tensor_parallel()
 
-TECHNIQUES = (DATA_PARALLEL, ZERO1, FSDP, FSDP_ZERO2, CPU_OFFLOAD, TENSOR_PARALLEL)
+
+def _check_sp(profile, workload, mode):
+    if workload.traits.residual_entry is None:
+        return (f"sequence-parallel shards a pre-norm model's residual stream between its tensor-parallel regions; "
+                f"{workload.name} declares none (Traits.residual_entry)")
+    return _check_tp(profile, workload, mode)
+
+
+SEQUENCE_PARALLEL = Technique(
+    id="sequence-parallel", phase=Phase.PARALLEL, changes_numerics=False, guide="T14", order=-1,
+    requires="tensor-parallel",
+    summary="norms, dropout and the residual stream split along the sequence between tensor-parallel regions",
+    check=_check_sp, apply=_sequence_parallel)
+
+TECHNIQUES = (DATA_PARALLEL, ZERO1, FSDP, FSDP_ZERO2, CPU_OFFLOAD, TENSOR_PARALLEL, SEQUENCE_PARALLEL)

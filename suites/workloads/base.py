@@ -134,6 +134,9 @@ class Traits:
             projection; None where the model is not a stack of identical blocks.
         max_seq_key: the config key holding the longest sequence the model accepts (language models).
         attention, mlp, bottleneck: module roles for structured pruning; None where it has none.
+        residual_entry: in a pre-norm model (norm, then attention or MLP, then the residual add), the
+            module whose output starts the residual stream, from where sequence parallelism shards it;
+            None where the model is not pre-norm.
     """
 
     convolutional: bool = False
@@ -144,6 +147,7 @@ class Traits:
     attention: AttentionRoles | None = None
     mlp: MlpRoles | None = None
     bottleneck: ConvRoles | None = None
+    residual_entry: str | None = None
 
 
 @dataclass(frozen=True)

@@ -422,5 +422,5 @@ WORKLOAD = Workload(
     pipelining=Pipelining(stage=Stage, loss=logits_loss),
     traits=Traits(uniform_blocks=True, depth_key="n_layer", max_seq_key="block_size",
                   attention=AttentionRoles(qkv="qkv", out="proj", heads="n_head", kv_groups="kv_groups"),
-                  mlp=MlpRoles(up="up", gate="gate", down="proj")),
+                  mlp=MlpRoles(up="up", gate="gate", down="proj"), residual_entry="drop"),
 )
