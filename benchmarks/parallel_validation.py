@@ -1,0 +1,105 @@
+"""Multi-GPU projections against published multi-GPU training runs (../shared/reference/calibration.md,
+"Large decoder training"). Nothing here is fitted: every constant of the speed model comes from single-GPU
+rows, so each line is a held-out check of the parallel layer (tracing one rank's part, sharding, the
+pipeline bubble, the communication over NVLink and the node network) together with the speed model it
+builds on. Prints the projected figure, the published one and the error (projected / published - 1).
+
+Where a published run used a setting headroom does not build, the closest stack stands in for it and the
+line says so (selective activation checkpointing -> full checkpointing, FSDP2's bf16 parameter gathers ->
+autocast's fp32 gathers, Megatron's vocabulary-parallel embedding -> a replicated one).
+Usage: python benchmarks/parallel_validation.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.cell import Cell
+from harness.outcome import to_record
+from harness.profiles import load_profiles
+from harness.project import project_outcome
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published run and the headroom cell standing in for it."""
+
+    name: str
+    source: str
+    size: str
+    gpu: str
+    stack: str
+    world: int
+    batch: int  # global, in samples
+    figure: str  # "tokens_per_gpu_s", "hardware_tflops_per_gpu" or "peak_gib"
+    value: float
+    differs: str = ""
+
+
+CASES = (
+    Published("Llama-3 8B, 64x A100 80GB, FSDP2, batch 1/GPU", "torchtitan docs/performance.md", "llama3-8b",
+              "a100-sxm4-80gb", "fsdp+amp-bf16+checkpointing", 64, 64, "tokens_per_gpu_s", 2973,
+              "selective op checkpointing there, full checkpointing here"),
+    Published("Llama-2 13B, A100 80GB, FSDP2, no checkpointing", "torchtitan docs/performance.md", "gpt-13b",
+              "a100-sxm4-80gb", "fsdp+amp-bf16", 64, 64, "tokens_per_gpu_s", 2162,
+              "GPU count not stated there; 64 as for the 8B run"),
+    Published("Llama-3.1 8B, 8x H100, FSDP, batch 2, seq 8192", "torchtitan benchmarks/llama3_h100_202412",
+              "llama3-8b", "h100-sxm", "fsdp+amp-bf16+checkpointing", 8, 16, "tokens_per_gpu_s", 5762,
+              "selective checkpointing there, full here"),
+    Published("Llama-3.1 8B, 8x H100, FSDP, batch 2, seq 8192: peak memory", "torchtitan benchmarks/llama3_h100_202412",
+              "llama3-8b", "h100-sxm", "fsdp+amp-bf16+checkpointing", 8, 16, "peak_gib", 82.4,
+              "selective checkpointing there (more activations kept), full here"),
+    # Narayanan et al. 2021 / Megatron-LM README: t = 8, p = 16 (hence d = 8), global batch 1536 of micro-batch 1,
+    # full recomputation; their TFLOP/s count the recomputed forward (eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh)).
+    Published("GPT-3 175B, 1024x A100, t=8 p=16 d=8, batch 1536", "Megatron-LM README", "gpt3-175b",
+              "a100-sxm4-80gb", "tensor-parallel:t=8+pipeline-parallel:p=16:m=192+data-parallel+amp-bf16"
+              "+checkpointing", 1024, 1536, "hardware_tflops_per_gpu", 138,
+              "embedding replicated here (vocabulary-parallel there), fp32 master weights through autocast"),
+)
+
+
+def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of one step with full recomputation (Narayanan et al. 2021, eq. 3)."""
+    return 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def projected_figure(case: Published, profiles) -> tuple[float | None, str]:
+    cell = Cell("gpt", case.size, "train", case.stack, case.gpu, case.batch, source="projected",
+                world_size=case.world).resolve(profiles)
+    record = to_record(cell, project_outcome(cell), "validation")
+    if record.status != "ok" and case.figure != "peak_gib":
+        return None, f"{record.status}: {record.reason}"
+    if case.figure == "peak_gib":
+        return record.peak_reserved_bytes / 2**30, record.status
+    if record.throughput_samples_s is None:
+        return None, "no step time"
+    seq = cell.spec.seq_len
+    if case.figure == "tokens_per_gpu_s":
+        return record.throughput_samples_s * seq / case.world, ""
+    config = cell.spec.config
+    step_s = case.batch / record.throughput_samples_s
+    flops = megatron_flops(case.batch, seq, config["n_layer"], config["n_embd"], config["vocab_size"])
+    return flops / step_s / case.world / 1e12, ""
+
+
+def main() -> None:
+    profiles = load_profiles()
+    errors = []
+    print(f"{'published run':62s} {'figure':24s} {'published':>10s} {'projected':>10s} {'error':>8s}")
+    for case in CASES:
+        value, why = projected_figure(case, profiles)
+        error = "" if value is None else f"{value / case.value - 1:+.1%}"
+        if value is not None:
+            errors.append(abs(value / case.value - 1))
+        shown = "-" if value is None else f"{value:,.1f}"
+        print(f"{case.name:62s} {case.figure:24s} {case.value:>10,.1f} {shown:>10s} {error:>8s}"
+              + (f"  ({why})" if why else ""))
+        print(f"    {case.source}; {case.differs}")
+    if errors:
+        ordered = sorted(errors)
+        print(f"held-out: n={len(errors)}, median |error| {ordered[len(ordered) // 2]:.1%}, worst {ordered[-1]:.1%} "
+              "(nothing fitted on these)")
+
+
+if __name__ == "__main__":
+    main()
