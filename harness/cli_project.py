@@ -1,11 +1,9 @@
 """`headroom project`: one cell projected onto a GPU profile (memory, fit, step time, cost) without that
-GPU (or N GPUs: --dp, --tp, --pp); with --max-batch, --max-context, --largest-model or --min-gpus it
+GPU (or N GPUs: --dp, --tp, --pp, --ep); with --max-batch, --max-context, --largest-model or --min-gpus it
 solves for the figure asked
 (harness/project/query.py answers)."""
 
 from __future__ import annotations
-
-import argparse
 
 from harness.cli import (
     EXIT_CELLS_FAILED,
@@ -46,7 +44,8 @@ def add_parser(sub) -> None:
     project.add_argument("--pp", type=_count, default=None, metavar="N",
                          help="pipeline stages (the stack's pipeline-parallel:p=N; m=M micro-batches, "
                               "schedule=gpipe as technique options)")
-    project.add_argument("--ep", type=_count, default=None, metavar="N", help=argparse.SUPPRESS)
+    project.add_argument("--ep", type=_count, default=None, metavar="N",
+                         help="expert-parallel ranks (the stack's expert-parallel:e=N; a MoE size: mixtral-8x7b)")
     project.add_argument("--format", choices=("table", "json"), default="table")
 
 
@@ -63,10 +62,7 @@ def cmd_project(args) -> int:
     if len(user) + bool(args.workload) > 1:
         raise UsageError("project answers for one model: give one of --workload, --model, --hf-config")
     named = {"workload": args.workload or user[0]} if args.workload or user else {}
-    if args.ep:
-        raise UsageError("--ep: expert parallelism is not built yet (it needs a mixture-of-experts size); data, "
-                         "tensor and pipeline parallelism are projected (--dp, --tp, --pp)")
-    request = ProjectRequest(dp=args.dp, tp=args.tp, pp=args.pp, min_gpus=args.min_gpus,
+    request = ProjectRequest(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, min_gpus=args.min_gpus,
                              gpu=args.gpu, technique=args.technique, mode=args.mode, size=args.size,
                              batch_size=args.batch_size, max_batch=args.max_batch, seq_len=args.seq_len,
                              prompt_len=args.prompt_len, gen_len=args.gen_len, max_context=args.max_context, **named)

@@ -20,10 +20,10 @@ from suites.workloads import get_workload
 GLOBAL_BATCH = 8
 
 
-def losses(stack: str) -> dict:
+def losses(stack: str, size: str = "smoke") -> dict:
     device = torch.device("cpu")
     workload = get_workload("gpt")
-    spec = workload.size("smoke")
+    spec = workload.size(size)
     torch.manual_seed(0)
     run = Run(workload=workload, size=spec, mode="train", profile=detect_local(load_profiles(None)),
               model=workload.build(spec), batch_size=GLOBAL_BATCH)
@@ -64,10 +64,10 @@ def column_parallel() -> dict:
 
 
 if __name__ == "__main__":
-    stack, out = sys.argv[1:]
+    stack, out, *size = sys.argv[1:]
     profile = detect_local(load_profiles(None))
     with process_group(profile):
-        result = column_parallel() if stack == "column" else losses(stack)
+        result = column_parallel() if stack == "column" else losses(stack, *size)
         leave_together()
         if not dist.is_initialized() or dist.get_rank() == 0:
             with open(out, "w") as handle:

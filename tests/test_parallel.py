@@ -24,10 +24,10 @@ PROFILES = load_profiles(None)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _worker(stack: str, tmp_path, launcher: list[str]) -> dict:
+def _worker(stack: str, tmp_path, launcher: list[str], size: str = "smoke") -> dict:
     out = tmp_path / f"{stack}.json"
-    done = subprocess.run([*launcher, "tests/parallel_worker.py", stack, str(out)], capture_output=True, text=True,
-                          timeout=180)
+    done = subprocess.run([*launcher, "tests/parallel_worker.py", stack, str(out), size], capture_output=True,
+                          text=True, timeout=180)
     # The ranks' own messages come first, torchrun's summary of who died last: show both.
     assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-1500:]
     return json.loads(out.read_text())
@@ -212,3 +212,17 @@ def test_two_pipeline_stages_give_the_single_process_losses(stack, single, tmp_p
     first = [model.blocks[0], model.wte, model.wpe]
     assert result["local_params"] == sum(p.numel() for module in first for p in module.parameters())
     assert result["comm"] > 0
+
+
+def test_experts_spread_over_two_ranks_give_the_single_process_losses(tmp_path):
+    single = losses("baseline", "moe-smoke")
+    result = _worker("expert-parallel", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"], "moe-smoke")
+    # Each rank routes its half of the batch, its 2 of the 4 experts take every rank's tokens for them (the
+    # capacity holds every token: none dropped), the rest is averaged over ranks: one process's steps.
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    from suites.workloads import get_workload
+
+    workload = get_workload("gpt")
+    model = workload.build(workload.size("moe-smoke"))
+    experts = sum(p.numel() for block in model.blocks for p in block.mlp.expert_parameters())
+    assert result["local_params"] == single["local_params"] - experts // 2 and result["comm"] > 0

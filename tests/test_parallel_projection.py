@@ -141,15 +141,31 @@ def test_tensor_and_sequence_parallel_activations_match_korthikantis_formulas():
     assert sharded / sbh == pytest.approx(2 * 32 / 8, rel=0.01) and saved > 0
 
 
-def test_sequence_parallelism_is_a_tensor_parallel_option_and_says_so_alone():
-    from suites.techniques import parse_stack
-
-    with pytest.raises(ValueError, match="sequence-parallel works through tensor-parallel"):
-        parse_stack("sequence-parallel+amp-bf16")
+def test_sequence_parallelism_works_through_tensor_parallelism_and_says_so_alone():
+    alone = _projected("sequence-parallel+amp-bf16", 1, batch=1)
+    assert alone.status == "unsupported" and "sequence-parallel works through tensor-parallel" in alone.reason
     plain = _projected("tensor-parallel:t=8+fsdp+amp-bf16", 64, size="gpt-70b", batch=8)
     sequence = _projected("tensor-parallel:t=8+sequence-parallel+fsdp+amp-bf16", 64, size="gpt-70b", batch=8)
     assert sequence.memory.peak_allocated < plain.memory.peak_allocated / 2  # at 8k tokens
     assert "8-way tensor (sequence parallel) x 8-way fsdp" in "; ".join(sequence.notes)
+
+
+def test_expert_parallel_ranks_hold_their_experts_and_exchange_every_moe_layers_tokens():
+    from harness.project.expert_parallel import all_to_all_bytes, expert_figures
+    from suites.workloads import get_workload
+
+    spread = _projected("expert-parallel+amp-bf16+checkpointing", 8, size="mixtral-8x7b", gpu="b200", batch=8)
+    assert spread.status == "ok" and spread.speed.step_time_ms_p50 > 0
+    workload = get_workload("gpt")
+    layers, buffer, replicated = expert_figures(workload, workload.size("mixtral-8x7b"), 8, 4096)
+    # Mixtral: 32 MoE layers, 8 experts of 3 x 4096 x 14336, capacity 1.25 x 2 x 4096 / 8 = 1280 tokens each.
+    assert (layers, buffer) == (32, 8 * 1280 * 4096)
+    experts = 32 * 8 * 3 * 4096 * 14336
+    assert replicated == 46_702_792_704 - experts
+    assert spread.memory.params == 4 * (replicated + experts // 8)  # fp32 weights: the rest whole, 1/8 of experts
+    # Per micro-batch: out (fp32) and back (bf16), forward and backward, 7/8 of the buffer leaving.
+    assert all_to_all_bytes(8, 32, buffer, 2) == pytest.approx(2 * 32 * 7 / 8 * buffer * 6)
+    assert "8-way expert" in "; ".join(spread.notes) and spread.comm_bytes_per_step > 0
 
 
 def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
@@ -172,6 +188,7 @@ def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
     ("tensor-parallel:t=2+amp-bf16", 8, "no data-parallel or sharding technique"),
     ("tensor-parallel+pipeline-parallel:p=2+fsdp", 8, "give --tp N"),
     ("pipeline-parallel:p=5+amp-bf16", 5, "96 blocks do not split into 5"),
+    ("expert-parallel+fsdp", 8, "combined with fsdp it is not yet"),
 ])
 def test_layouts_that_do_not_add_up_say_why(stack, world, message):
     from harness.project.parallel import layout_of, local_cell
@@ -193,7 +210,7 @@ def test_min_gpus_with_tensor_and_pipeline_degrees_searches_the_data_parallel_gr
 @pytest.mark.parametrize("args, message", [
     (["--technique", "fsdp", "--tp", "8"], "--tp 8 needs tensor-parallel in the stack"),
     (["--technique", "tensor-parallel:t=4", "--tp", "8"], "contradicts tensor-parallel:t=4"),
-    (["--technique", "fsdp", "--ep", "8"], "expert parallelism is not built yet"),
+    (["--technique", "fsdp", "--ep", "8"], "--ep 8 needs expert-parallel in the stack"),
     (["--technique", "fsdp"], "give how many"),
     (["--technique", "amp-bf16", "--dp", "8"], "apply to parallel stacks"),
 ])

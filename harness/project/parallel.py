@@ -34,6 +34,7 @@ from harness.project.communication import (
     pipeline_bytes,
     tensor_parallel_bytes,
 )
+from harness.project.expert_parallel import all_to_all_bytes, expert_figures, rank_experts
 from harness.project.roofline import estimate, host_link_bytes_s, offload_s
 from harness.project.tensor_parallel import rank_part, sharded_model_figures
 from suites.techniques import Stack, Unsupported
@@ -43,7 +44,7 @@ from suites.techniques.parallel import degree
 from suites.techniques.pipeline import options_of
 
 DATA_PARALLEL = {"data-parallel", "zero1", "fsdp", "fsdp-zero2", "cpu-offload"}
-PROJECTED = DATA_PARALLEL | {"tensor-parallel", "sequence-parallel", "pipeline-parallel"}
+PROJECTED = DATA_PARALLEL | {"tensor-parallel", "sequence-parallel", "pipeline-parallel", "expert-parallel"}
 # Blocks whose parameters FSDP2 holds unsharded at once: the one computing and the one prefetched.
 GATHERED_BLOCKS = 2
 # Bytes per element of the activations tensor and pipeline parallelism send: autocast's dtype, else fp32.
@@ -64,6 +65,7 @@ class Layout:
     schedule: str = "1f1b"
     data_technique: str | None = None
     sequence_parallel: bool = False
+    ep: int = 1  # expert-parallel ranks (the same ranks train the rest data-parallel)
 
     @property
     def world(self) -> int:
@@ -75,6 +77,8 @@ class Layout:
             parts.append(f"{self.tp}-way tensor" + (" (sequence parallel)" if self.sequence_parallel else ""))
         if self.pp > 1:
             parts.append(f"{self.pp}-stage {self.schedule.upper()} pipeline ({self.micro_batches} micro-batches)")
+        if self.ep > 1:
+            parts.append(f"{self.ep}-way expert")
         if self.data_technique:
             parts.append(f"{self.dp}-way {self.data_technique}" if self.dp > 1 else
                          f"{self.data_technique} over 1 rank (nothing to shard)")
@@ -106,6 +110,8 @@ def layout_of(cell: ResolvedCell) -> Layout:
         raise Unsupported(f"projecting {', '.join(unknown)} is not implemented yet (data-parallel, sharded, tensor- "
                           "and pipeline-parallel stacks are); measure it with headroom run --world-size N")
     world = cell.cell.world_size
+    if "expert-parallel" in parallel:
+        return _expert_layout(parallel, world)
     data = next((name for name in parallel if name in DATA_PARALLEL), None)
     alone = len(set(parallel) - {"sequence-parallel"}) == 1  # it shards within tensor-parallel groups
     tp = degree(parallel["tensor-parallel"], "t") if "tensor-parallel" in parallel else 1
@@ -130,6 +136,18 @@ def layout_of(cell: ResolvedCell) -> Layout:
                   sequence_parallel="sequence-parallel" in parallel)
 
 
+def _expert_layout(parallel: dict, world: int) -> Layout:
+    """Expert parallelism alone: e ranks, each with E / e experts and the rest replicated and trained
+    data-parallel on its slice of the batch."""
+    if len(parallel) > 1:
+        raise Unsupported("expert-parallel is projected alone (with single-device techniques); combined with "
+                          f"{', '.join(sorted(set(parallel) - {'expert-parallel'}))} it is not yet")
+    ep = degree(parallel["expert-parallel"], "e") or world
+    if ep != world:
+        raise Unsupported(f"expert-parallel:e={ep} on {world} GPUs: give --ep N alone (the world is its ranks)")
+    return Layout(dp=ep, ep=ep)
+
+
 def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
     """The cell one rank runs: the stack without its parallel techniques (with one tensor-parallel rank's
     part of the model), one pipeline stage's depth, one micro-batch of its data-parallel slice."""
@@ -140,7 +158,8 @@ def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
         raise Unsupported(f"the global batch {cell.batch_size} does not split into {layout.dp} data-parallel ranks x "
                           f"{layout.micro_batches} micro-batches; give a multiple of {slices}")
     kept = tuple(t for t in cell.stack.techniques if t.phase not in (Phase.PARALLEL, Phase.DATA_PARALLEL))
-    stack = Stack(((rank_part(layout.tp),) if layout.tp > 1 else ()) + kept)
+    stack = Stack(((rank_part(layout.tp),) if layout.tp > 1 else ())
+                  + ((rank_experts(layout.ep),) if layout.ep > 1 else ()) + kept)
     spec = cell.spec
     if layout.pp > 1:
         depth = cell.workload.depth(spec)
@@ -278,10 +297,18 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         activations=memory.activations + in_flight, temporaries=memory.temporaries, param_count=trace.param_count,
         host=rank.host)
     sent = collective_bytes(technique, layout.dp, memory.params, memory.grads, layout.micro_batches)
-    activation = local.batch_size * (local.spec.seq_len or 0) * width * ACTIVATION_BYTES.get(trace.precision, 4)
+    element = ACTIVATION_BYTES.get(trace.precision, 4)
+    activation = local.batch_size * (local.spec.seq_len or 0) * width * element
     recomputed = any(_base(t).startswith("checkpointing") for t in cell.stack.techniques)
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, activation, recomputed),
-                 "pipeline": pipeline_bytes(layout.pp, activation)}
+                 "pipeline": pipeline_bytes(layout.pp, activation), "expert": 0.0}
+    if layout.ep > 1:
+        tokens = local.batch_size * (local.spec.seq_len or 1)
+        moe, buffer, replicated = expert_figures(local.workload, cell.spec, layout.ep, tokens)
+        per_micro["expert"] = all_to_all_bytes(layout.ep, moe, buffer, element) * (1 + 0.5 * recomputed)
+        # The replicated rest trains data-parallel: its gradients are all-reduced (after the backward).
+        grad_bytes = memory.grads / max(1, trace.param_count)  # per parameter, as this stack keeps gradients
+        sent = collective_bytes("data-parallel", layout.ep, 0, round(replicated * grad_bytes))
     comm_bytes = sum(sent.values()) + layout.micro_batches * sum(per_micro.values())
     speed = None
     if fits is not False and projection.time is not None:
@@ -298,14 +325,15 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
 
 def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float], per_micro: dict[str, float],
           rank: RankMemory, notes: list[str]) -> SpeedFigures | None:
-    """The parallel step: (m + p - 1) pipeline slots of one micro-batch's compute and its tensor- and
-    pipeline-parallel sends, then the optimizer step, the data-parallel communication not hidden, and an
+    """The parallel step: (m + p - 1) pipeline slots of one micro-batch's compute and its tensor-, pipeline-
+    and expert-parallel sends, then the optimizer step, the data-parallel communication not hidden, and an
     offloaded step's host traffic; None (with a note) where a link's bandwidth is unknown."""
     profile = cell.profile.per_device()
     trace = projection.trace
     links = {"data": link_bytes_s(profile, layout.tp * layout.dp), "tensor": link_bytes_s(profile, layout.tp),
+             "expert": link_bytes_s(profile, layout.tp * layout.ep),
              "pipeline": link_bytes_s(profile, 2 * layout.tp * layout.dp)}
-    needed = {"data": bool(sent), "tensor": bool(per_micro["tensor"]), "pipeline": bool(per_micro["pipeline"])}
+    needed = {"data": bool(sent), **{kind: bool(size) for kind, size in per_micro.items()}}
     host_link = host_link_bytes_s(profile)
     if layout.data_technique == "cpu-offload" and host_link is None:
         notes.append(f"no step time: no host link bandwidth known for {profile.id} (interconnect.host_link_gb_s)")
@@ -318,9 +346,10 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
     micro_s = projection.time.step_s - phases["optimizer"]  # everything but the step, per micro-batch
     sends_s = sum(size / links[kind][0] for kind, size in per_micro.items() if size)
     slots = layout.micro_batches + layout.pp - 1
-    windows = data_parallel_windows(layout.data_technique, phases["forward"], phases["backward"],
-                                    layout.micro_batches)
-    exposed = exposed_s(sent, windows, links["data"][0], layout.data_technique) if sent else 0.0
+    # Expert parallelism's replicated rest is all-reduced as DDP would (hooks as gradients are ready).
+    collective = "data-parallel" if layout.ep > 1 else layout.data_technique
+    windows = data_parallel_windows(collective, phases["forward"], phases["backward"], layout.micro_batches)
+    exposed = exposed_s(sent, windows, links["data"][0], collective) if sent else 0.0
     step = slots * (micro_s + sends_s) + phases["optimizer"] + exposed
     if layout.data_technique == "cpu-offload":
         # Each step this rank's gradient shard goes to the host, whose AdamW updates the parameter shard,

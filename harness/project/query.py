@@ -47,18 +47,20 @@ class ProjectRequest:
     dp: int | None = None  # data-parallel / sharded ranks of a parallel stack
     tp: int | None = None  # tensor-parallel ranks per group
     pp: int | None = None  # pipeline stages
+    ep: int | None = None  # expert-parallel ranks
     min_gpus: bool = False  # solve for the fewest data-parallel ranks (powers of two) on which the stack fits
 
     @property
     def world_size(self) -> int:
-        return (self.dp or 1) * (self.tp or 1) * (self.pp or 1)
+        return (self.dp or 1) * (self.tp or 1) * (self.pp or 1) * (self.ep or 1)
 
 
-def with_degrees(technique: str, tp: int | None, pp: int | None) -> str:
+def with_degrees(technique: str, tp: int | None, pp: int | None, ep: int | None = None) -> str:
     """The stack with --tp and --pp written into its parallel techniques (`tensor-parallel:t=8`); ValueError
     where a degree has no technique to take it or contradicts one the stack already names."""
     parts = technique.split("+")
-    for flag, name, option, value in (("--tp", "tensor-parallel", "t", tp), ("--pp", "pipeline-parallel", "p", pp)):
+    for flag, name, option, value in (("--tp", "tensor-parallel", "t", tp), ("--pp", "pipeline-parallel", "p", pp),
+                                      ("--ep", "expert-parallel", "e", ep)):
         if value is None:
             continue
         found = [i for i, part in enumerate(parts) if part.strip().partition(":")[0] == name]
@@ -85,18 +87,19 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
     if request.batch_size is not None and request.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {request.batch_size}")
     # Batch 1 until the size is known; the empty size resolves to the workload's default (Cell.resolve).
-    technique = with_degrees(request.technique, request.tp, request.pp)
+    technique = with_degrees(request.technique, request.tp, request.pp, request.ep)
     cell = Cell(request.workload, request.size or "", request.mode, technique, request.gpu,
                 request.batch_size or 1, source="projected", prompt_len=request.prompt_len,
                 gen_len=request.gen_len, world_size=request.world_size).resolve(profiles)
     spec = cell.spec
-    if cell.stack.parallel and request.dp is None and request.tp is None and request.pp is None \
-            and not request.min_gpus:
-        raise ValueError(f"{cell.stack.name} runs on several GPUs: give how many (--dp N, --tp N, --pp N) or "
-                         "--min-gpus")
+    if cell.stack.parallel and request.world_size == 1 and request.dp is None and not request.min_gpus \
+            and not (request.tp or request.pp or request.ep):
+        raise ValueError(f"{cell.stack.name} runs on several GPUs: give how many (--dp N, --tp N, --pp N, --ep N) "
+                         "or --min-gpus")
     if (request.dp or request.min_gpus) and not cell.stack.parallel:
         raise ValueError("--dp and --min-gpus apply to parallel stacks (data-parallel, zero1, fsdp, fsdp-zero2, "
-                         f"cpu-offload, tensor-parallel, pipeline-parallel); {cell.stack.name} runs on one GPU")
+                         f"cpu-offload, tensor-parallel, pipeline-parallel, expert-parallel); {cell.stack.name} runs "
+                         "on one GPU")
     if request.max_context and spec.gen_len is None:
         raise ValueError("--max-context solves for a served decoder's longest prompt: it needs --mode infer and a "
                          "decoder workload (gpt)")
@@ -112,10 +115,10 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
         if not 1 <= request.seq_len <= limit:
             raise ValueError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {request.seq_len}")
         spec = dataclasses.replace(spec, seq_len=request.seq_len)
-    # Data parallelism keeps each GPU's batch and multiplies the global one (weak scaling), and a pipeline
+    # Data (and expert) parallelism keeps each GPU's batch and multiplies the global one (weak scaling), and a pipeline
     # runs its micro-batches of the size's batch, unless the batch is given.
     return cell.with_spec(spec).with_batch(request.batch_size or spec.batch_size * (request.dp or 1)
-                                           * _micro_batches(cell))
+                                           * (request.ep or 1) * _micro_batches(cell))
 
 
 def _micro_batches(cell: ResolvedCell) -> int:

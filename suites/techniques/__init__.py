@@ -16,6 +16,7 @@ from suites.techniques import (
     allocator,  # T18
     checkpointing,  # T5
     dynamic_sparsity,  # T12
+    expert,  # T15: expert parallelism
     groupquant,  # T9
     lowrank,  # T3
     offload,  # optimizer state in host memory
@@ -50,6 +51,7 @@ FAMILIES = [
     adapters,
     parallel,
     pipeline,
+    expert,
 ]
 
 BASELINE = "baseline"
@@ -99,7 +101,10 @@ class Stack:
         if self.missing:
             return (f"recipe {self.recipe} needs {', '.join(self.missing)}, which headroom does not implement yet "
                     f"(parallel techniques have their own issue)")
+        present = {t.id.partition(":")[0] for t in self.techniques}
         for technique in self.techniques:
+            if technique.requires and technique.requires not in present:
+                return f"{technique.id} works through {technique.requires}: add it to the stack"
             reason = technique.check(profile, workload, mode)
             if reason:
                 return f"{technique.id}: {reason}"
@@ -176,11 +181,6 @@ def parse_stack(text: str) -> Stack:
             raise ValueError(f"incompatible stack {text!r}: {clash.id} and {part} are both "
                              f"{technique.exclusive} techniques; pick one")
         techniques.append(technique)
-    present = {t.id.partition(":")[0] for t in techniques}
-    for technique in techniques:
-        if technique.requires and technique.requires not in present:
-            raise ValueError(f"{technique.id} works through {technique.requires}: add it to the stack "
-                             f"({technique.requires}+{text})")
     # Phase order, then order and id within a phase, so every spelling of a stack has one canonical name.
     techniques.sort(key=lambda t: (t.phase, t.order, t.id))
     return Stack(tuple(techniques))

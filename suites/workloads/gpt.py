@@ -19,6 +19,7 @@ from torch import nn
 
 from suites.kv_cache import KVCache, LayerCache, attention
 from suites.workloads.base import AttentionRoles, Batch, MlpRoles, Pipelining, Serving, SizeSpec, Traits, Workload
+from suites.workloads.moe import MoE
 
 FAMILIES = ("gpt2", "llama")
 
@@ -45,6 +46,9 @@ class GPTConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: one per query head
+    n_experts: int = 0  # a mixture of experts in place of each MLP (suites/workloads/moe.py); 0: dense
+    top_k: int = 2  # experts per token
+    capacity_factor: float = 1.25  # each expert's buffer: this x its even share of the k x tokens (Switch's)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -145,7 +149,9 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.norm1, self.attn = norm(cfg), CausalSelfAttention(cfg)
-        self.norm2, self.mlp = norm(cfg), MLP(cfg)
+        self.norm2 = norm(cfg)
+        self.mlp = (MoE(cfg.n_embd, cfg.hidden, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.family == "llama")
+                    if cfg.n_experts else MLP(cfg))
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None, start: int = 0) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cache, start)
@@ -251,6 +257,13 @@ def _llama(n_layer: int, n_embd: int, n_head: int) -> dict:
     )
 
 
+def _mixtral(n_layer: int, n_embd: int, n_head: int, ffn_hidden: int, experts: int, top_k: int) -> dict:
+    # Mixtral: Llama-2's vocabulary, 8 key/value heads, rope theta 1e6, 32k context, SwiGLU experts (Mistral
+    # AI's config.json for Mixtral-8x7B-v0.1).
+    return dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=8, vocab_size=32000, block_size=32768,
+                family="llama", ffn_hidden=ffn_hidden, rope_theta=1e6, n_experts=experts, top_k=top_k)
+
+
 def _llama3(n_layer: int, n_embd: int, n_head: int, ffn_hidden: int) -> dict:
     # Llama-3/3.1: 8 key/value heads, 128,256-token vocabulary, rope theta 500,000 (Meta's params.json);
     # 3.1's 131,072-token context, which the same shapes serve (Llama 3 herd paper, Dubey et al. 2024).
@@ -327,6 +340,21 @@ SIZES = {
             canonical_params=70_553_706_496,
             canonical_source="HuggingFace meta-llama/Meta-Llama-3-70B (3.1-70B has the same shapes)",
         ),
+        # A mixture of experts small enough for 2 CPU ranks: 4 experts, top 2, capacity for every token
+        # (capacity factor 2 = E / k), so no token is dropped and expert parallelism keeps the loss exactly.
+        SizeSpec("moe-smoke", "large", {**_gpt2(2, 64, 4, block_size=64, vocab_size=512), "n_experts": 4,
+                                        "top_k": 2, "capacity_factor": 2.0}, batch_size=4, seq_len=64,
+                 canonical_params=333_440, canonical_source="no published model: this shape's own count, "
+                 "pinned so a change to the MoE layer shows (scale large keeps it out of smoke runs)"),
+        SizeSpec(
+            "mixtral-8x7b",
+            "large",
+            _mixtral(32, 4096, 32, ffn_hidden=14336, experts=8, top_k=2),
+            batch_size=1,
+            seq_len=4096,
+            canonical_params=46_702_792_704,
+            canonical_source="HuggingFace mistralai/Mixtral-8x7B-v0.1",
+        ),
         SizeSpec(
             "gpt3-175b",
             "large",
@@ -371,7 +399,9 @@ def forward_flops_per_sample(size: SizeSpec) -> float:
     d = cfg.n_embd
     mlp_matrices = 3 if cfg.family == "llama" else 2
     qkv = d * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim  # fewer key/value heads: a narrower qkv
-    block_weights = qkv + d * d + mlp_matrices * d * cfg.hidden  # qkv + proj, then the MLP
+    # A mixture of experts counts the k experts each token uses (model FLOPs) and its router.
+    experts = cfg.top_k if cfg.n_experts else 1
+    block_weights = qkv + d * d + experts * mlp_matrices * d * cfg.hidden + d * cfg.n_experts
     # QK^T and AV are full S x S matmuls (2 * S * d FLOPs each per token): the math sdpa path computes
     # the masked half too, and that is what FlopCounterMode counts.
     attention = 4 * seq * d
