@@ -29,7 +29,7 @@ def losses(stack: str, size: str = "smoke") -> dict:
               model=workload.build(spec), batch_size=GLOBAL_BATCH)
     parse_stack(stack).apply(run)
     seen = []  # the sequence length the first block's input has on this rank
-    blocks = workload.block_lists(run.model)[0]
+    blocks = workload.block_lists(getattr(run.model, "module", run.model))[0]  # DDP wraps the model
     blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
     step = Step(run, device)
     generator = torch.Generator().manual_seed(1)

@@ -12,26 +12,13 @@ from dataclasses import replace
 import torch
 
 from suites.techniques.base import Phase, Run, Technique, Unsupported
+from suites.techniques.parallel import distributed, rank_count, rank_device
 from suites.workloads.moe import ExpertExchange
 
 
 def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's mixture-of-experts layers (those that can keep a rank's share of their experts)."""
     return [module for module in model.modules() if hasattr(module, "keep_experts")]
-
-
-def options(given: dict[str, str]) -> int:
-    unknown = set(given) - {"e"}
-    if unknown:
-        raise ValueError(f"expert-parallel takes one option, e (ranks the experts spread over), not "
-                         f"{', '.join(sorted(unknown))}")
-    try:
-        ranks = int(given["e"])
-    except ValueError:
-        raise ValueError(f"expert-parallel: e must be a whole number of ranks, got {given['e']!r}") from None
-    if ranks < 1:
-        raise ValueError(f"expert-parallel: e must be at least 1, got {ranks}")
-    return ranks
 
 
 def _averaged(world: int, reduce: bool):
@@ -48,8 +35,6 @@ def _averaged(world: int, reduce: bool):
 
 
 def _apply(run: Run, ranks: int | None) -> None:
-    from suites.techniques.parallel import distributed, rank_device
-
     dist = distributed()
     world = dist.get_world_size()
     if ranks is not None and ranks != world:
@@ -98,7 +83,8 @@ def _technique(ranks: int | None = None) -> Technique:
         guide="T15", exclusive="expert-parallel", order=2,
         summary="a mixture of experts' experts spread over ranks, tokens exchanged by all-to-all (GShard)",
         check=_check, apply=lambda run: _apply(run, ranks))
-    return replace(base, configure=lambda given: _technique(options(given)))
+    return replace(base, configure=lambda given: _technique(
+        rank_count("expert-parallel", "e", "ranks the experts spread over", given)))
 
 
 EXPERT_PARALLEL = _technique()

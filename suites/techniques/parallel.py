@@ -257,17 +257,17 @@ def _sequence_parallel(run: Run) -> None:
     run.sequence_parallel = True  # tensor-parallel, applied next, builds its plans for it
 
 
-def tp_options(options: dict[str, str]) -> int | None:
-    """tensor-parallel's one option, `t` (ranks per tensor-parallel group); None: every rank."""
-    unknown = set(options) - {"t"}
+def rank_count(technique: str, option: str, meaning: str, options: dict[str, str]) -> int:
+    """A parallel technique's one option, a number of ranks (`tensor-parallel:t=8`), checked."""
+    unknown = set(options) - {option}
     if unknown:
-        raise ValueError(f"tensor-parallel takes one option, t (ranks per group), not {', '.join(sorted(unknown))}")
+        raise ValueError(f"{technique} takes one option, {option} ({meaning}), not {', '.join(sorted(unknown))}")
     try:
-        ranks = int(options["t"])
+        ranks = int(options[option])
     except ValueError:
-        raise ValueError(f"tensor-parallel: t must be a whole number of ranks, got {options['t']!r}") from None
+        raise ValueError(f"{technique}: {option} must be a whole number of ranks, got {options[option]!r}") from None
     if ranks < 1:
-        raise ValueError(f"tensor-parallel: t must be at least 1, got {ranks}")
+        raise ValueError(f"{technique}: {option} must be at least 1, got {ranks}")
     return ranks
 
 
@@ -343,7 +343,8 @@ def _tensor_parallel(ranks: int | None = None) -> Technique:
         guide="T13", exclusive="tensor-parallel",
         summary="Megatron-style: QKV and first MLP layers column-parallel, output projections row-parallel (DTensor)",
         check=_check_tp, apply=lambda run: _apply_tp(run, ranks))
-    return replace(base, configure=lambda given: _tensor_parallel(tp_options(given)))
+    return replace(base, configure=lambda given: _tensor_parallel(
+        rank_count("tensor-parallel", "t", "ranks per group", given)))
 
 
 def degree(technique: Technique, option: str) -> int | None:
