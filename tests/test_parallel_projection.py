@@ -166,6 +166,10 @@ def test_expert_parallel_ranks_hold_their_experts_and_exchange_every_moe_layers_
     # Per micro-batch: out (fp32) and back (bf16), forward and backward, 7/8 of the buffer leaving.
     assert all_to_all_bytes(8, 32, buffer, 2) == pytest.approx(2 * 32 * 7 / 8 * buffer * 6)
     assert "8-way expert" in "; ".join(spread.notes) and spread.comm_bytes_per_step > 0
+    # FSDP over the same ranks shards what is not an expert; each rank's experts stay its own.
+    sharded = _projected("expert-parallel+fsdp+amp-bf16+checkpointing", 8, size="mixtral-8x7b", gpu="b200", batch=8)
+    assert sharded.memory.params == pytest.approx(4 * (replicated / 8 + experts / 8), rel=1e-6)
+    assert sharded.memory.peak_allocated < spread.memory.peak_allocated
 
 
 def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
@@ -188,7 +192,7 @@ def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
     ("tensor-parallel:t=2+amp-bf16", 8, "no data-parallel or sharding technique"),
     ("tensor-parallel+pipeline-parallel:p=2+fsdp", 8, "give --tp N"),
     ("pipeline-parallel:p=5+amp-bf16", 5, "96 blocks do not split into 5"),
-    ("expert-parallel+fsdp", 8, "combined with fsdp it is not yet"),
+    ("expert-parallel+tensor-parallel:t=2", 8, "combined with tensor-parallel it is not yet"),
 ])
 def test_layouts_that_do_not_add_up_say_why(stack, world, message):
     from harness.project.parallel import layout_of, local_cell

@@ -39,6 +39,7 @@ from harness.project.roofline import estimate, host_link_bytes_s, offload_s
 from harness.project.tensor_parallel import rank_part, sharded_model_figures
 from suites.techniques import Stack, Unsupported
 from suites.techniques.base import Phase
+from suites.techniques.expert import moe_layers
 from suites.techniques.offload import HostTraffic
 from suites.techniques.parallel import degree
 from suites.techniques.pipeline import options_of
@@ -137,15 +138,17 @@ def layout_of(cell: ResolvedCell) -> Layout:
 
 
 def _expert_layout(parallel: dict, world: int) -> Layout:
-    """Expert parallelism alone: e ranks, each with E / e experts and the rest replicated and trained
-    data-parallel on its slice of the batch."""
-    if len(parallel) > 1:
-        raise Unsupported("expert-parallel is projected alone (with single-device techniques); combined with "
-                          f"{', '.join(sorted(set(parallel) - {'expert-parallel'}))} it is not yet")
+    """Expert parallelism: e ranks, each with E / e experts, the rest replicated and trained data-parallel
+    on each rank's slice of the batch, or sharded over the same ranks by a data-parallel technique
+    (`expert-parallel+fsdp`: FSDP shards what is not an expert)."""
+    others = set(parallel) - {"expert-parallel"}
+    if others - DATA_PARALLEL or len(others) > 1:
+        raise Unsupported("expert-parallel is projected alone or with one data-parallel or sharding technique over "
+                          f"the same ranks; combined with {', '.join(sorted(others))} it is not yet")
     ep = degree(parallel["expert-parallel"], "e") or world
     if ep != world:
         raise Unsupported(f"expert-parallel:e={ep} on {world} GPUs: give --ep N alone (the world is its ranks)")
-    return Layout(dp=ep, ep=ep)
+    return Layout(dp=ep, ep=ep, data_technique=next(iter(others), None))
 
 
 def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
@@ -174,21 +177,26 @@ def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
 
 
 def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[str, int]],
-                states: tuple[int, int, int], block_params: int, block_grads: int, in_flight: int = 0) -> RankMemory:
+                states: tuple[int, int, int], block_params: int, block_grads: int, in_flight: int = 0,
+                unsharded: tuple[int, int, int] = (0, 0, 0)) -> RankMemory:
     """Per-rank memory under the data-parallel `technique` (None: none) on `dp` ranks, from one rank's
     unsharded trace: each phase's peak with its parameters, gradients and optimizer state kept as the
     technique keeps them, what it adds (DDP's buckets, FSDP's gathered blocks), the optimizer step's
     temporaries shrunk with its shard, and `in_flight` bytes of other micro-batches' activations held
-    through the forward and backward (a pipeline's first stage)."""
+    through the forward and backward (a pipeline's first stage). `unsharded` are the parameter, gradient
+    and optimizer bytes no data-parallel rank shares (an expert-parallel rank's own experts), kept whole."""
     params, grads, optimizer = states
+    own = dict(zip(("params", "grads", "optimizer"), unsharded, strict=True))
 
-    def shard(size: int) -> int:
-        return -(-size // dp)
+    def shard(size: int, category: str = "") -> int:
+        mine = own.get(category, 0)
+        return -(-(size - mine) // dp) + mine
 
     # Between steps (the row's params/grads/optimizer columns, as FSDP2's sharded storage holds them).
+    sharded = (shard(params, "params"), shard(grads, "grads"), shard(optimizer, "optimizer"))
     kept = {None: (params, grads, optimizer), "data-parallel": (params, grads, optimizer),
-            "zero1": (params, grads, shard(optimizer)), "fsdp-zero2": (shard(params), shard(grads), shard(optimizer)),
-            "fsdp": (shard(params), shard(grads), shard(optimizer)), "cpu-offload": (0, 0, 0)}[technique]
+            "zero1": (params, grads, sharded[2]), "fsdp-zero2": sharded, "fsdp": sharded,
+            "cpu-offload": (0, 0, 0)}[technique]
     buckets = grads if technique in ("data-parallel", "zero1") else 0  # DDP's flat gradient buckets
     gathered = {"forward": GATHERED_BLOCKS * block_params, "backward": GATHERED_BLOCKS * block_params + block_grads}
     if technique in (None, "data-parallel", "zero1"):
@@ -215,16 +223,19 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
         peaks.append(scaled(at, "params", params, kept_params) + scaled(at, "grads", grads, kept[1])
                      + scaled(at, "optimizer", optimizer, kept[2]) + at.get("activations", 0) + held + temporaries
                      + buckets + gathered.get(phase, 0))
-    host = shard(params) + shard(grads) + shard(optimizer) if technique == "cpu-offload" else None
+    host = sum(sharded) if technique == "cpu-offload" else None
     return RankMemory(*kept, peak=round(max(peaks)), host=host)
 
 
 def _largest_block(model, workload, bytes_per_param: float) -> int:
-    """Bytes of the largest repeated block's parameters (as the rank holds them) for FSDP to gather."""
+    """Bytes of the largest repeated block's parameters (as the rank holds them) for FSDP to gather: its
+    experts are not gathered (each expert-parallel rank holds its own)."""
     blocks = [block for container in workload.block_lists(model) for block in container]
     if not blocks:
         raise Unsupported(f"{workload.name} exposes no repeated blocks for FSDP to shard one by one")
-    return round(max(sum(p.numel() for p in block.parameters()) for block in blocks) * bytes_per_param)
+    experts = {id(p) for layer in moe_layers(model) for p in layer.expert_parameters()}
+    return round(max(sum(p.numel() for p in block.parameters() if id(p) not in experts) for block in blocks)
+                 * bytes_per_param)
 
 
 def _activations_per_block(local: ResolvedCell) -> int:
@@ -276,8 +287,14 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     per_block, saved = _sequence_sharded(local, layout, layers)
     in_flight = (layout.in_flight - 1) * layers * per_block if layout.pp > 1 else 0
     in_flight -= saved  # negative: what sequence parallelism takes off each forward's activations
-    rank = rank_memory(technique, layout.dp, trace.phase_at_peak,
-                       (trace.params_bytes, trace.grads_bytes, trace.optimizer_bytes), block, block_grads, in_flight)
+    states = (trace.params_bytes, trace.grads_bytes, trace.optimizer_bytes)
+    replicated, own = trace.param_count, (0, 0, 0)
+    if layout.ep > 1:
+        tokens = local.batch_size * (local.spec.seq_len or 1)
+        moe, buffer, replicated = expert_figures(local.workload, cell.spec, layout.ep, tokens)
+        mine = max(0, trace.param_count - replicated) / max(1, trace.param_count)  # this rank's experts' share
+        own = tuple(round(size * mine) for size in states)
+    rank = rank_memory(technique, layout.dp, trace.phase_at_peak, states, block, block_grads, in_flight, own)
     # What the allocator model adds to the trace's live bytes (workspaces), and its reserve, carry over.
     peak = memory.peak_allocated - trace.peak_bytes + rank.peak
     reserved = (memory.chosen_reserved or memory.peak_allocated) - memory.peak_allocated + peak
@@ -303,12 +320,11 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, activation, recomputed),
                  "pipeline": pipeline_bytes(layout.pp, activation), "expert": 0.0}
     if layout.ep > 1:
-        tokens = local.batch_size * (local.spec.seq_len or 1)
-        moe, buffer, replicated = expert_figures(local.workload, cell.spec, layout.ep, tokens)
         per_micro["expert"] = all_to_all_bytes(layout.ep, moe, buffer, element) * (1 + 0.5 * recomputed)
-        # The replicated rest trains data-parallel: its gradients are all-reduced (after the backward).
-        grad_bytes = memory.grads / max(1, trace.param_count)  # per parameter, as this stack keeps gradients
-        sent = collective_bytes("data-parallel", layout.ep, 0, round(replicated * grad_bytes))
+        # What is not an expert trains data-parallel (all-reduced as DDP would) or sharded over the same ranks.
+        share = replicated / max(1, trace.param_count)
+        sent = collective_bytes(technique or "data-parallel", layout.ep, round(memory.params * share),
+                                round(memory.grads * share), layout.micro_batches)
     comm_bytes = sum(sent.values()) + layout.micro_batches * sum(per_micro.values())
     speed = None
     if fits is not False and projection.time is not None:
@@ -347,7 +363,7 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
     sends_s = sum(size / links[kind][0] for kind, size in per_micro.items() if size)
     slots = layout.micro_batches + layout.pp - 1
     # Expert parallelism's replicated rest is all-reduced as DDP would (hooks as gradients are ready).
-    collective = "data-parallel" if layout.ep > 1 else layout.data_technique
+    collective = layout.data_technique or ("data-parallel" if layout.ep > 1 else None)
     windows = data_parallel_windows(collective, phases["forward"], phases["backward"], layout.micro_batches)
     exposed = exposed_s(sent, windows, links["data"][0], collective) if sent else 0.0
     step = slots * (micro_s + sends_s) + phases["optimizer"] + exposed

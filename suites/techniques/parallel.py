@@ -53,6 +53,10 @@ def _splits_batch(run: Run, dist, sharded: bool) -> None:
     (tensor-parallel ranks of one group take the same slice)."""
     from torch.distributed.tensor import DTensor
 
+    if any(getattr(module, "exchange", None) is not None for module in run.model.modules()):
+        raise Unsupported("expert-parallel already trains what is not an expert data-parallel over these ranks; "
+                          "measuring it under DDP or FSDP (experts kept out of their replication) is not built: "
+                          "headroom project projects it")
     world, index = dist.get_world_size(), None
     if any(isinstance(p, DTensor) for p in run.model.parameters()):
         if run.mesh is None or run.mesh.ndim != 2:
