@@ -18,8 +18,9 @@ from torch import nn
 Batch = dict[str, torch.Tensor]
 
 # Scales group sizes: `smoke` runs in seconds on a CPU (CI), `standard` holds the canonical sizes
-# people quote, `large` holds sizes that mostly exist to be projected.
-SCALES = ("smoke", "standard", "large")
+# people quote, `large` holds sizes that mostly exist to be projected, `test` holds sizes for the suite's
+# own tests (a tiny mixture of experts for multi-rank runs), which no default plan picks.
+SCALES = ("smoke", "standard", "large", "test")
 # A size that belongs to every scale: a user's model has the one size it was built at.
 ANY_SCALE = "any"
 
@@ -30,7 +31,7 @@ class SizeSpec:
 
     Attributes:
         name: the id users type (`gpt2-124m`).
-        scale: `smoke`, `standard`, `large`, or `any` (every scale).
+        scale: `smoke`, `standard`, `large`, `test`, or `any` (every scale).
         config: the model's hyper-parameters (layers, hidden size, ...), passed to the builder.
         batch_size: the default batch for this size.
         seq_len: tokens per sample for language models, None for vision.

@@ -342,10 +342,10 @@ SIZES = {
         ),
         # A mixture of experts small enough for 2 CPU ranks: 4 experts, top 2, capacity for every token
         # (capacity factor 2 = E / k), so no token is dropped and expert parallelism keeps the loss exactly.
-        SizeSpec("moe-smoke", "large", {**_gpt2(2, 64, 4, block_size=64, vocab_size=512), "n_experts": 4,
+        SizeSpec("moe-smoke", "test", {**_gpt2(2, 64, 4, block_size=64, vocab_size=512), "n_experts": 4,
                                         "top_k": 2, "capacity_factor": 2.0}, batch_size=4, seq_len=64,
                  canonical_params=333_440, canonical_source="no published model: this shape's own count, "
-                 "pinned so a change to the MoE layer shows (scale large keeps it out of smoke runs)"),
+                 "pinned so a change to the MoE layer shows (scale test keeps it out of every default plan)"),
         SizeSpec(
             "mixtral-8x7b",
             "large",
