@@ -77,6 +77,10 @@ class Step:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = run.optimizer_factory(trainable) if self.train else None
         self.scaler = torch.amp.GradScaler(device.type) if run.loss_scaling else None
+        if run.pipeline is not None and self.scaler is not None:
+            from suites.techniques.base import Unsupported
+
+            raise Unsupported("fp16 loss scaling across pipeline stages is not built: use amp-bf16")
         self.generates = not self.train and run.workload.serving is not None and run.size.gen_len is not None
         self._cache = None  # (batch size, the KV cache generations reuse)
 
@@ -121,10 +125,6 @@ class Step:
     def _pipeline_step(self, batch: Batch, mark: Mark) -> torch.Tensor:
         """A pipeline stage's step: its schedule interleaves the micro-batches' forwards and backwards, so
         no forward's end can be marked (the row's activations stay unknown), only the step's phases."""
-        if self.scaler:
-            from suites.techniques.base import Unsupported
-
-            raise Unsupported("fp16 loss scaling across pipeline stages is not built: use amp-bf16")
         if mark:
             mark("forward_start")
         loss = self.run.pipeline.step(batch, self.device, self.autocast())

@@ -214,9 +214,11 @@ def test_two_pipeline_stages_give_the_single_process_losses(stack, single, tmp_p
     assert result["comm"] > 0
 
 
-def test_experts_spread_over_two_ranks_give_the_single_process_losses(tmp_path):
+@pytest.mark.parametrize("stack", ["expert-parallel", "expert-parallel+grad-accumulation"])
+def test_experts_spread_over_two_ranks_give_the_single_process_losses(stack, tmp_path):
+    # With accumulation too: each micro-batch's gradients are averaged before they add up.
     single = losses("baseline", "moe-smoke")
-    result = _worker("expert-parallel", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"], "moe-smoke")
+    result = _worker(stack, tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"], "moe-smoke")
     # Each rank routes its half of the batch, its 2 of the 4 experts take every rank's tokens for them (the
     # capacity holds every token: none dropped), the rest is averaged over ranks: one process's steps.
     assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)

@@ -137,8 +137,10 @@ def test_tensor_and_sequence_parallel_activations_match_korthikantis_formulas():
     local = local_cell(cell, layout)
     sbh = 2048 * 1 * 12288
     assert _activations_per_block(local) / sbh == pytest.approx(2 * (8 + 24 / 8), rel=0.01)
+    # Sequence parallelism is projected as 1/t of the unsharded block (the paper's 34/t): what this checks is
+    # the unsharded block's trace, 32 (no masks) x 2 bytes per s*b*h.
     sharded, saved = _sequence_sharded(local, layout, 12)
-    assert sharded / sbh == pytest.approx(2 * 32 / 8, rel=0.01) and saved > 0
+    assert sharded * 8 / sbh == pytest.approx(2 * 32, rel=0.01) and saved > 0
 
 
 def test_sequence_parallelism_works_through_tensor_parallelism_and_says_so_alone():
@@ -172,6 +174,13 @@ def test_expert_parallel_ranks_hold_their_experts_and_exchange_every_moe_layers_
     assert sharded.memory.peak_allocated < spread.memory.peak_allocated
 
 
+def test_expert_parallelism_on_a_model_it_cannot_spread_says_why():
+    dense = _projected("expert-parallel+amp-bf16", 2, size="gpt-7b", batch=2)
+    assert dense.status == "unsupported" and "no mixture-of-experts layers" in dense.reason
+    uneven = _projected("expert-parallel+amp-bf16", 3, size="mixtral-8x7b", batch=3)
+    assert uneven.status == "unsupported" and "8 experts do not spread evenly over 3 ranks" in uneven.reason
+
+
 def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
     stack = "pipeline-parallel:p=4:m={m}{schedule}+amp-bf16"
     one_f_one_b, gpipe = (_projected(stack.format(m=16, schedule=s), 4, size="gpt2-1.3b", batch=16)
@@ -193,6 +202,7 @@ def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
     ("tensor-parallel+pipeline-parallel:p=2+fsdp", 8, "give --tp N"),
     ("pipeline-parallel:p=5+amp-bf16", 5, "96 blocks do not split into 5"),
     ("expert-parallel+tensor-parallel:t=2", 8, "combined with tensor-parallel it is not yet"),
+    ("pipeline-parallel:p=4:m=2+amp-bf16", 4, "1F1B needs at least as many micro-batches as stages"),
 ])
 def test_layouts_that_do_not_add_up_say_why(stack, world, message):
     from harness.project.parallel import layout_of, local_cell
@@ -215,6 +225,7 @@ def test_min_gpus_with_tensor_and_pipeline_degrees_searches_the_data_parallel_gr
     (["--technique", "fsdp", "--tp", "8"], "--tp 8 needs tensor-parallel in the stack"),
     (["--technique", "tensor-parallel:t=4", "--tp", "8"], "contradicts tensor-parallel:t=4"),
     (["--technique", "fsdp", "--ep", "8"], "--ep 8 needs expert-parallel in the stack"),
+    (["--technique", "expert-parallel", "--ep", "8", "--min-gpus"], "--min-gpus searches data-parallel groups"),
     (["--technique", "fsdp"], "give how many"),
     (["--technique", "amp-bf16", "--dp", "8"], "apply to parallel stacks"),
 ])

@@ -96,7 +96,10 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
             store_frozen_in(run.model, run.autocast_dtype)
         if not run.placed:  # parallel stacks put their shards where they belong (host memory for cpu-offload)
             run.model = run.model.to(device)
-        step = Step(run, device)
+        try:
+            step = Step(run, device)  # a step can refuse what the stack's techniques leave together
+        except Unsupported as exc:
+            return failure("unsupported", str(exc), device_name=profile.name)
         # Every rank draws the same global batch and keeps its slice (data-parallel and sharded stacks).
         global_batch = workload.batch(spec, cell.batch_size, generator)
         batch = {k: v.to(device) for k, v in rank_slice(global_batch, run.data_parallel, run.data_rank).items()}

@@ -78,14 +78,16 @@ def data_parallel_windows(technique: str | None, forward_s: float, backward_s: f
     return {"forward": micro_batches * forward_s, "backward": repeats * backward_s}
 
 
-def tensor_parallel_bytes(tp: int, sharded: int, activation_bytes: int, recomputed: bool) -> float:
-    """Bytes each tensor-parallel rank sends per micro-batch: every row-parallel output is all-reduced in
-    the forward (again when checkpointing recomputes it) and its input's gradient in the backward, with
-    no compute to hide under (Megatron's f and g operators, Shoeybi et al. 2019, figure 3)."""
+def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: int, stream_bytes: int,
+                          recomputed: bool) -> float:
+    """Bytes each tensor-parallel rank sends per micro-batch: every row-parallel output (`elements` of
+    `output_bytes`) is all-reduced in the forward (again when checkpointing recomputes it) and the gradient
+    of every column-parallel input (the norm's output, `stream_bytes`) in the backward, with no compute to
+    hide under (Megatron's f and g operators, Shoeybi et al. 2019, figure 3)."""
     if tp == 1:
         return 0.0
-    passes = 2 + int(recomputed)
-    return passes * sharded * 2 * (tp - 1) / tp * activation_bytes
+    forwards = 1 + int(recomputed)
+    return sharded * 2 * (tp - 1) / tp * elements * (forwards * output_bytes + stream_bytes)
 
 
 def pipeline_bytes(pp: int, activation_bytes: int) -> float:

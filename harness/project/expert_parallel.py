@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from suites.techniques.base import Phase, Run, Technique
+from suites.techniques.base import Phase, Run, Technique, Unsupported
 from suites.techniques.expert import moe_layers
 from suites.workloads.moe import ExpertExchange
 
@@ -18,6 +18,11 @@ def rank_experts(ranks: int) -> Technique:
 
     def apply(run: Run) -> None:
         layers = moe_layers(run.model)
+        if not layers:
+            raise Unsupported(f"{run.workload.name} {run.size.name} has no mixture-of-experts layers: pick a MoE size "
+                              "(mixtral-8x7b)")
+        if layers[0].experts % ranks:
+            raise Unsupported(f"{layers[0].experts} experts do not spread evenly over {ranks} ranks")
         for layer in layers:
             layer.keep_experts(0, ExpertExchange(ranks, communicate=False))
         run.notes.append(f"one of {ranks} expert-parallel ranks' part traced: {layers[0].experts // ranks} of "

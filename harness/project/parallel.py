@@ -14,8 +14,10 @@ techniques move:
   at a time (the running block and the prefetched next one, with one block's unsharded gradients);
   `fsdp-zero2` keeps the parameters gathered from forward to backward; `cpu-offload` holds FSDP's shards
   in host memory (host_bytes) and only gathered blocks on the device.
+- expert parallelism over e ranks: the rank's E / e experts are traced on every rank's tokens for them
+  (harness/project/expert_parallel.py), the rest replicated or sharded by a data-parallel technique.
 The step adds the communication the schedule cannot hide (harness/project/communication.py) and the
-pipeline's bubble. Expert parallelism is not projected yet.
+pipeline's bubble.
 """
 
 from __future__ import annotations
@@ -48,8 +50,13 @@ DATA_PARALLEL = {"data-parallel", "zero1", "fsdp", "fsdp-zero2", "cpu-offload"}
 PROJECTED = DATA_PARALLEL | {"tensor-parallel", "sequence-parallel", "pipeline-parallel", "expert-parallel"}
 # Blocks whose parameters FSDP2 holds unsharded at once: the one computing and the one prefetched.
 GATHERED_BLOCKS = 2
-# Bytes per element of the activations tensor and pipeline parallelism send: autocast's dtype, else fp32.
+# Bytes per element of what a layer outputs (autocast's dtype, else the weights'): the row-parallel outputs
+# tensor parallelism all-reduces, the experts' outputs expert parallelism sends back.
 ACTIVATION_BYTES = {"bf16-mixed": 2, "fp16-mixed": 2, "fp8-mixed": 2, "bf16": 2, "fp16": 2}
+# ... and of the residual stream, which stays in the weights' dtype under autocast (fp32 embeddings plus
+# 16-bit block outputs): what a pipeline stage sends on, and the gradients of the norms' fp32 outputs that
+# tensor parallelism all-reduces backward.
+STREAM_BYTES = {"bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -108,8 +115,9 @@ def layout_of(cell: ResolvedCell) -> Layout:
     parallel = {_base(t): t for t in cell.stack.techniques if t.phase in (Phase.PARALLEL, Phase.DATA_PARALLEL)}
     unknown = sorted(set(parallel) - PROJECTED)
     if unknown:
-        raise Unsupported(f"projecting {', '.join(unknown)} is not implemented yet (data-parallel, sharded, tensor- "
-                          "and pipeline-parallel stacks are); measure it with headroom run --world-size N")
+        raise Unsupported(f"projecting {', '.join(unknown)} is not implemented yet (data-parallel, sharded, tensor-, "
+                          "sequence-, pipeline- and expert-parallel stacks are); measure it with headroom run "
+                          "--world-size N")
     world = cell.cell.world_size
     if "expert-parallel" in parallel:
         return _expert_layout(parallel, world)
@@ -131,6 +139,9 @@ def layout_of(cell: ResolvedCell) -> Layout:
                           "data-parallel or sharding technique: add data-parallel, zero1 or fsdp, or give --dp 1")
     per_pipeline = cell.batch_size // dp if cell.batch_size % dp == 0 else None
     micro = pipeline.micro_batches_for(pp, per_pipeline) if pipeline and pp > 1 else 1
+    if pipeline and pp > 1 and pipeline.schedule == "1f1b" and micro < pp:
+        raise Unsupported(f"1F1B needs at least as many micro-batches as stages ({micro} < {pp}): give a batch of "
+                          f"{pp * dp} or more, pipeline-parallel:m=N, or schedule=gpipe")
     in_flight = pipeline.in_flight(pp, per_pipeline) if pipeline and pp > 1 else 1
     return Layout(dp=dp, tp=tp, pp=pp, micro_batches=micro, in_flight=in_flight,
                   schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data,
@@ -314,17 +325,21 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         activations=memory.activations + in_flight, temporaries=memory.temporaries, param_count=trace.param_count,
         host=rank.host)
     sent = collective_bytes(technique, layout.dp, memory.params, memory.grads, layout.micro_batches)
-    element = ACTIVATION_BYTES.get(trace.precision, 4)
-    activation = local.batch_size * (local.spec.seq_len or 0) * width * element
+    element, stream = ACTIVATION_BYTES.get(trace.precision, 4), STREAM_BYTES.get(trace.precision, 4)
+    elements = local.batch_size * (local.spec.seq_len or 0) * width
     recomputed = any(_base(t).startswith("checkpointing") for t in cell.stack.techniques)
-    per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, activation, recomputed),
-                 "pipeline": pipeline_bytes(layout.pp, activation), "expert": 0.0}
+    per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed),
+                 "pipeline": pipeline_bytes(layout.pp, elements * stream), "expert": 0.0}
     if layout.ep > 1:
         per_micro["expert"] = all_to_all_bytes(layout.ep, moe, buffer, element) * (1 + 0.5 * recomputed)
         # What is not an expert trains data-parallel (all-reduced as DDP would) or sharded over the same ranks.
         share = replicated / max(1, trace.param_count)
         sent = collective_bytes(technique or "data-parallel", layout.ep, round(memory.params * share),
                                 round(memory.grads * share), layout.micro_batches)
+        if technique is None:
+            # expert-parallel's own averaging: every backward's gradients all-reduced one parameter at a time,
+            # synchronously (suites/techniques/expert.py), after each micro-batch: nothing hides it.
+            sent = {"optimizer": layout.micro_batches * sum(sent.values())}
     comm_bytes = sum(sent.values()) + layout.micro_batches * sum(per_micro.values())
     speed = None
     if fits is not False and projection.time is not None:

@@ -136,6 +136,9 @@ def projected_rows(request: ProjectRequest, profiles) -> list[Record]:
     """The projected row of the request's cell on each GPU it names; with `max_batch`, at the largest
     batch that fits each; with `min_gpus`, on the fewest GPUs that hold it."""
     if request.min_gpus:
+        if request.ep:
+            raise ValueError("--min-gpus searches data-parallel groups, which expert parallelism shares its ranks "
+                             "with: give --ep N (at most the size's experts) instead")
         return [fewest_gpus(request, profile.id, profiles) for profile in resolve_gpus([request.gpu], profiles)]
     return [_projected_row(cell, request.max_batch, request.max_context) for cell in _resolve_all(request, profiles)]
 

@@ -22,14 +22,16 @@ def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _averaged(world: int, reduce: bool):
-    """A hook leaving a parameter's gradient as the mean over ranks: all-reduced for a replicated one; an
-    expert's already holds every rank's tokens, so it is only divided."""
+    """A hook on each backward's gradient, before it is accumulated (so gradient accumulation sums
+    averages): averaged over ranks, all-reduced for a replicated parameter; an expert's gradient already
+    holds every rank's tokens' part, so it is only divided."""
     import torch.distributed as dist
 
-    def hook(parameter: torch.nn.Parameter) -> None:
+    def hook(gradient: torch.Tensor) -> torch.Tensor:
         if reduce:
-            dist.all_reduce(parameter.grad)
-        parameter.grad.div_(world)
+            gradient = gradient.clone()
+            dist.all_reduce(gradient)
+        return gradient / world
 
     return hook
 
@@ -59,7 +61,7 @@ def _apply(run: Run, ranks: int | None) -> None:
     owned = {id(p) for layer in layers for p in layer.expert_parameters()}
     for parameter in run.model.parameters():
         if parameter.requires_grad:
-            parameter.register_post_accumulate_grad_hook(_averaged(world, reduce=id(parameter) not in owned))
+            parameter.register_hook(_averaged(world, reduce=id(parameter) not in owned))
     tokens = run.batch_size // world * (run.size.seq_len or 1)
     width = run.size.config.get("n_embd", 0)
     buffer = experts * layers[0].capacity(tokens) * width * 4  # fp32 bytes of one capacity buffer
@@ -68,7 +70,7 @@ def _apply(run: Run, ranks: int | None) -> None:
     run.comm_bytes_per_step = int(4 * len(layers) * share * buffer + 2 * share * replicated)
     run.notes.append(f"expert parallel over {world} ranks: {experts // world} of {experts} experts per rank in "
                      f"{len(layers)} MoE layers, tokens exchanged by all-to-all; the rest replicated, its gradients "
-                     "all-reduced")
+                     "all-reduced (each backward, unbucketed)")
 
 
 def _check(profile, workload, mode):

@@ -149,6 +149,9 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     if run.batch_size % micro:
         raise Unsupported(f"the global batch {run.batch_size} does not split into {micro} micro-batches: give a "
                           f"multiple of {micro} or pipeline-parallel:m=N")
+    if options.schedule == "1f1b" and micro < stages:
+        raise Unsupported(f"1F1B needs at least as many micro-batches as stages ({micro} < {stages}): give a batch of "
+                          f"{stages} or more, pipeline-parallel:m=N, or schedule=gpipe")
     if run.micro_batches > 1:
         raise Unsupported("the pipeline's micro-batches already accumulate gradients: drop grad-accumulation "
                           "(pipeline-parallel:m=N sets their number)")
