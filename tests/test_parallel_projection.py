@@ -137,10 +137,11 @@ def test_tensor_and_sequence_parallel_activations_match_korthikantis_formulas():
     local = local_cell(cell, layout)
     sbh = 2048 * 1 * 12288
     assert _activations_per_block(local) / sbh == pytest.approx(2 * (8 + 24 / 8), rel=0.01)
-    # Sequence parallelism is projected as 1/t of the unsharded block (the paper's 34/t): what this checks is
-    # the unsharded block's trace, 32 (no masks) x 2 bytes per s*b*h.
-    sharded, saved = _sequence_sharded(local, layout, 12)
-    assert sharded * 8 / sbh == pytest.approx(2 * 32, rel=0.01) and saved > 0
+    # Sequence parallelism: the paper's 34/t assumes the all-gathered inputs of the column-parallel layers are
+    # not kept; PyTorch's keep them (2 per block, whole), so (32 - 4)/t + 4, x 2 bytes: 15 at t = 8.
+    gathered = 2 * sbh * 4
+    sharded, saved = _sequence_sharded(local, layout, 12, gathered)
+    assert sharded / sbh == pytest.approx(2 * ((32 - 4) / 8 + 4), rel=0.01) and saved > 0
 
 
 def test_sequence_parallelism_works_through_tensor_parallelism_and_says_so_alone():
@@ -148,7 +149,7 @@ def test_sequence_parallelism_works_through_tensor_parallelism_and_says_so_alone
     assert alone.status == "unsupported" and "sequence-parallel works through tensor-parallel" in alone.reason
     plain = _projected("tensor-parallel:t=8+fsdp+amp-bf16", 64, size="gpt-70b", batch=8)
     sequence = _projected("tensor-parallel:t=8+sequence-parallel+fsdp+amp-bf16", 64, size="gpt-70b", batch=8)
-    assert sequence.memory.peak_allocated < plain.memory.peak_allocated / 2  # at 8k tokens
+    assert sequence.memory.peak_allocated < 0.6 * plain.memory.peak_allocated  # at 8k tokens: over 40% off
     assert "8-way tensor (sequence parallel) x 8-way fsdp" in "; ".join(sequence.notes)
 
 

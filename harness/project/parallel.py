@@ -258,18 +258,20 @@ def _activations_per_block(local: ResolvedCell) -> int:
     return max(0, high.activations_bytes - low.activations_bytes)
 
 
-def _sequence_sharded(local: ResolvedCell, layout: Layout, layers: int) -> tuple[int, int]:
+def _sequence_sharded(local: ResolvedCell, layout: Layout, layers: int, gathered: int = 0) -> tuple[int, int]:
     """(one micro-batch's activations per block as the rank holds them, the bytes sequence parallelism takes
     off the traced forward). Tensor parallelism alone leaves the norms' inputs, dropout and the residual
-    stream whole on every rank; sharding them along the sequence too leaves every activation at 1/t of the
-    unsharded block's (Korthikanti et al. 2022, table 2: 34/t + 5as/(ht) against 10 + 24/t + 5as/(ht))."""
+    stream whole on every rank; sequence parallelism shards them too (Korthikanti et al. 2022, table 2:
+    34/t + 5as/(ht) against 10 + 24/t + 5as/(ht)), except that PyTorch's column-parallel layers keep the
+    all-gathered input they multiply for their backward: `gathered` bytes per block stay whole."""
     if not (layout.pp > 1 or layout.sequence_parallel):
         return 0, 0
     per_block = _activations_per_block(local)
     if not layout.sequence_parallel or layout.tp == 1:
         return per_block, 0
     whole = Stack(tuple(t for t in local.stack.techniques if not t.id.startswith("tensor-parallel-rank")))
-    sharded = _activations_per_block(dataclasses.replace(local, stack=whole)) // layout.tp
+    unsharded = _activations_per_block(dataclasses.replace(local, stack=whole))
+    sharded = (unsharded - gathered) // layout.tp + gathered
     return sharded, max(0, layers * (per_block - sharded))
 
 
@@ -295,7 +297,10 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
                                                                                "cpu-offload") else 0
     block_grads = round(block * memory.grads / memory.params) if memory.params else 0
     layers = local.workload.depth(local.spec) or 0
-    per_block, saved = _sequence_sharded(local, layout, layers)
+    # Each sharded module's input, all-gathered along the sequence, in the dtype its matmul saves it in.
+    gathered = sharded // max(1, layers) * local.batch_size * (local.spec.seq_len or 0) * width \
+        * ACTIVATION_BYTES.get(trace.precision, 4) if layout.sequence_parallel else 0
+    per_block, saved = _sequence_sharded(local, layout, layers, gathered)
     in_flight = (layout.in_flight - 1) * layers * per_block if layout.pp > 1 else 0
     in_flight -= saved  # negative: what sequence parallelism takes off each forward's activations
     states = (trace.params_bytes, trace.grads_bytes, trace.optimizer_bytes)
