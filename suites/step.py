@@ -77,10 +77,14 @@ class Step:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = run.optimizer_factory(trainable) if self.train else None
         self.scaler = torch.amp.GradScaler(device.type) if run.loss_scaling else None
-        if run.pipeline is not None and self.scaler is not None:
+        if run.pipeline is not None:
             from suites.techniques.base import Unsupported
 
-            raise Unsupported("fp16 loss scaling across pipeline stages is not built: use amp-bf16")
+            if self.scaler is not None:
+                raise Unsupported("fp16 loss scaling across pipeline stages is not built: use amp-bf16")
+            if run.pipeline.pipelines > run.data_parallel:
+                raise Unsupported(f"{run.pipeline.pipelines} pipelines side by side need a data-parallel technique to "
+                                  "split the batch and average their gradients: add fsdp")
         self.generates = not self.train and run.workload.serving is not None and run.size.gen_len is not None
         self._cache = None  # (batch size, the KV cache generations reuse)
 

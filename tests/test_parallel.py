@@ -198,6 +198,18 @@ def test_a_rank_that_hangs_is_named_and_the_finished_ranks_keep_their_rows():
     assert rows[0].status == "timeout" and rows[0].reason.startswith("rank 1 of 2")
 
 
+def test_two_pipelines_side_by_side_sharded_by_fsdp_give_the_single_process_losses(single, tmp_path):
+    # 4 ranks: 2 pipelines of 2 stages, each on half the batch; FSDP2 shards each stage over the 2 pipelines.
+    result = _worker("pipeline-parallel:p=2+fsdp", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=4"])
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    from suites.workloads import get_workload
+
+    workload = get_workload("gpt")
+    model = workload.build(workload.size("smoke"))
+    first = [model.blocks[0], model.wte, model.wpe]
+    assert result["local_params"] * 2 == sum(p.numel() for module in first for p in module.parameters())
+
+
 @pytest.mark.parametrize("stack", ["pipeline-parallel", "pipeline-parallel:m=2:schedule=gpipe"])
 def test_two_pipeline_stages_give_the_single_process_losses(stack, single, tmp_path):
     result = _worker(stack, tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])

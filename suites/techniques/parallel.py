@@ -58,13 +58,15 @@ def _splits_batch(run: Run, dist, sharded: bool) -> None:
                           "measuring it under DDP or FSDP (experts kept out of their replication) is not built: "
                           "headroom project projects it")
     world, index = dist.get_world_size(), None
-    if any(isinstance(p, DTensor) for p in run.model.parameters()):
-        if run.mesh is None or run.mesh.ndim != 2:
-            raise Unsupported("tensor-parallel takes every rank here, leaving none to split the batch over: give it "
-                              "groups (tensor-parallel:t=N with N below the world size)")
+    two_d = run.mesh is not None and run.mesh.ndim == 2
+    if any(isinstance(p, DTensor) for p in run.model.parameters()) and not two_d:
+        raise Unsupported("tensor-parallel takes every rank here, leaving none to split the batch over: give it "
+                          "groups (tensor-parallel:t=N with N below the world size)")
+    if two_d:
         if not sharded:
-            raise Unsupported("DDP does not take tensor-parallel (DTensor) parameters: on top of tensor parallelism "
-                              "use fsdp, which shards over the 2-D mesh's data-parallel dimension")
+            raise Unsupported("DDP and ZeRO-1 over tensor-parallel groups or pipelines side by side are not built "
+                              "(DDP takes no DTensor parameters): use fsdp, which shards over the 2-D mesh's "
+                              "data-parallel dimension")
         world, index = run.mesh["dp"].size(), run.mesh["dp"].get_local_rank()
     if run.batch_size % (world * run.micro_batches):
         raise Unsupported(f"the global batch {run.batch_size} does not split into {world} ranks x "

@@ -92,17 +92,18 @@ class PipelineRunner:
     (the first stage feeds the inputs, the last computes the loss), then the gradients of what the first
     and last stages both hold are summed."""
 
-    def __init__(self, run: Run, index: int, stages: int, options: PipelineOptions, tied_group):
+    def __init__(self, run: Run, index: int, stages: int, options: PipelineOptions, tied_group, group=None,
+                 pipelines: int = 1):
         self.run, self.index, self.stages, self.options = run, index, stages, options
-        self.micro_batches = options.micro_batches_for(stages, run.batch_size)
-        self.tied_group = tied_group
+        self.micro_batches = options.micro_batches_for(stages, run.batch_size // pipelines)
+        self.tied_group, self.group, self.pipelines = tied_group, group, pipelines
         self.schedule = None
 
     def _build(self, device: torch.device):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         pipelining, micro = self.run.workload.pipelining, self.micro_batches
-        stage = PipelineStage(self.run.model, self.index, self.stages, device)
+        stage = PipelineStage(self.run.model, self.index, self.stages, device, group=self.group)
         kind = ScheduleGPipe if self.options.schedule == "gpipe" else Schedule1F1B
         options = {}
         if "scale_grads" in inspect.signature(kind.__init__).parameters:
@@ -130,7 +131,9 @@ class PipelineRunner:
             import torch.distributed as dist
 
             for parameter in tied:
-                dist.all_reduce(parameter.grad, group=self.tied_group)
+                # Sharded by FSDP, each pipeline's first and last stage hold the same shard: sum those.
+                grad = parameter.grad
+                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.tied_group)
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
 
 
@@ -142,34 +145,49 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     stages = options.stages or world
     if pipelining is None:
         raise Unsupported(f"{run.workload.name} does not say how to cut it into stages (Workload.pipelining)")
-    if stages != world:
-        raise Unsupported(f"pipeline-parallel:p={stages} on {world} ranks (pipelines side by side) is projected "
-                          f"only; measure it on --world-size {stages}")
-    micro = options.micro_batches_for(stages, run.batch_size)
-    if run.batch_size % micro:
-        raise Unsupported(f"the global batch {run.batch_size} does not split into {micro} micro-batches: give a "
-                          f"multiple of {micro} or pipeline-parallel:m=N")
+    if world % stages:
+        raise Unsupported(f"{world} ranks do not split into pipelines of {stages} stages")
+    pipelines = world // stages  # side by side, each on its data-parallel slice (a sharding technique splits it)
+    if run.batch_size % pipelines:
+        raise Unsupported(f"the global batch {run.batch_size} does not split over {pipelines} pipelines")
+    batch = run.batch_size // pipelines
+    micro = options.micro_batches_for(stages, batch)
+    if batch % micro:
+        raise Unsupported(f"a pipeline's batch {batch} does not split into {micro} micro-batches: give a multiple of "
+                          f"{micro} or pipeline-parallel:m=N")
     if options.schedule == "1f1b" and micro < stages:
         raise Unsupported(f"1F1B needs at least as many micro-batches as stages ({micro} < {stages}): give a batch of "
-                          f"{stages} or more, pipeline-parallel:m=N, or schedule=gpipe")
+                          f"{stages * pipelines} or more, pipeline-parallel:m=N, or schedule=gpipe")
     if run.micro_batches > 1:
         raise Unsupported("the pipeline's micro-batches already accumulate gradients: drop grad-accumulation "
                           "(pipeline-parallel:m=N sets their number)")
+    group, line = None, 0
     index = dist.get_rank()
+    if pipelines > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # Stage-major: the ranks of one stage (one per pipeline) are consecutive, the data-parallel
+        # dimension a sharding technique then uses.
+        run.mesh = init_device_mesh(rank_device(run).type, (stages, pipelines), mesh_dim_names=("pp", "dp"))
+        group, index = run.mesh["pp"].get_group(), run.mesh["pp"].get_local_rank()
+        line = run.mesh["dp"].get_local_rank()
     try:
         run.model = pipelining.stage(run.model, index, stages).to(rank_device(run))
     except ValueError as error:
         raise Unsupported(str(error)) from None
     run.placed = True
-    # Every rank calls new_group, even those outside it (torch.distributed's rule).
-    tied_group = dist.new_group([0, stages - 1]) if stages > 1 else None
-    run.pipeline = PipelineRunner(run, index, stages, options, tied_group if index in (0, stages - 1) else None)
+    # Each pipeline's first and last stage sum a tied embedding's gradients; every rank calls new_group for
+    # every such pair, even those outside it (torch.distributed's rule).
+    tied = [dist.new_group([j, (stages - 1) * pipelines + j]) for j in range(pipelines)] if stages > 1 else []
+    run.pipeline = PipelineRunner(run, index, stages, options, tied[line] if tied and index in (0, stages - 1)
+                                  else None, group, pipelines)
     # Activations go on to the next stage, their gradients back to the previous one (the fp32 residual stream).
-    activation = run.batch_size * (run.size.seq_len or 0) * run.size.config.get("n_embd", 0) * 4
+    activation = batch * (run.size.seq_len or 0) * run.size.config.get("n_embd", 0) * 4
     run.comm_bytes_per_step = activation * ((index < stages - 1) + (index > 0))
     run.notes.append(f"stage {index + 1} of {stages} ({options.schedule.upper()}, {micro} micro-batches of "
-                     f"{run.batch_size // micro}; torch.distributed.pipelining): its blocks"
-                     + (", the embeddings" if index == 0 else "") + (", the head" if index == stages - 1 else ""))
+                     f"{batch // micro}; torch.distributed.pipelining): its blocks"
+                     + (", the embeddings" if index == 0 else "") + (", the head" if index == stages - 1 else "")
+                     + (f"; {pipelines} pipelines side by side" if pipelines > 1 else ""))
 
 
 def _technique(options: PipelineOptions) -> Technique:
