@@ -151,6 +151,10 @@ def test_sequence_parallelism_works_through_tensor_parallelism_and_says_so_alone
     sequence = _projected("tensor-parallel:t=8+sequence-parallel+fsdp+amp-bf16", 64, size="gpt-70b", batch=8)
     assert sequence.memory.peak_allocated < 0.6 * plain.memory.peak_allocated  # at 8k tokens: over 40% off
     assert "8-way tensor (sequence parallel) x 8-way fsdp" in "; ".join(sequence.notes)
+    # Checkpointed, a block keeps only its input: the residual stream, which sequence parallelism shards too.
+    kept, sharded = (_projected(f"tensor-parallel:t=8{sp}+fsdp+amp-bf16+checkpointing", 64, size="gpt-70b", batch=8)
+                     for sp in ("", "+sequence-parallel"))
+    assert sharded.memory.activations < kept.memory.activations
 
 
 def test_expert_parallel_ranks_hold_their_experts_and_exchange_every_moe_layers_tokens():

@@ -297,9 +297,11 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
                                                                                "cpu-offload") else 0
     block_grads = round(block * memory.grads / memory.params) if memory.params else 0
     layers = local.workload.depth(local.spec) or 0
-    # Each sharded module's input, all-gathered along the sequence, in the dtype its matmul saves it in.
+    recomputed = any(_base(t).startswith("checkpointing") for t in cell.stack.techniques)
+    # Each sharded module's input, all-gathered along the sequence, in the dtype its matmul saves it in; a
+    # checkpointed block keeps only its (sharded) input.
     gathered = sharded // max(1, layers) * local.batch_size * (local.spec.seq_len or 0) * width \
-        * ACTIVATION_BYTES.get(trace.precision, 4) if layout.sequence_parallel else 0
+        * ACTIVATION_BYTES.get(trace.precision, 4) if layout.sequence_parallel and not recomputed else 0
     per_block, saved = _sequence_sharded(local, layout, layers, gathered)
     in_flight = (layout.in_flight - 1) * layers * per_block if layout.pp > 1 else 0
     in_flight -= saved  # negative: what sequence parallelism takes off each forward's activations
@@ -332,7 +334,6 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     sent = collective_bytes(technique, layout.dp, memory.params, memory.grads, layout.micro_batches)
     element, stream = ACTIVATION_BYTES.get(trace.precision, 4), STREAM_BYTES.get(trace.precision, 4)
     elements = local.batch_size * (local.spec.seq_len or 0) * width
-    recomputed = any(_base(t).startswith("checkpointing") for t in cell.stack.techniques)
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed),
                  "pipeline": pipeline_bytes(layout.pp, elements * stream), "expert": 0.0}
     if layout.ep > 1:
