@@ -226,11 +226,21 @@ def test_two_pipeline_stages_give_the_single_process_losses(stack, single, tmp_p
     assert result["comm"] > 0
 
 
-@pytest.mark.parametrize("stack", ["expert-parallel", "expert-parallel+grad-accumulation"])
-def test_experts_spread_over_two_ranks_give_the_single_process_losses(stack, tmp_path):
-    # With accumulation too: each micro-batch's gradients are averaged before they add up.
+def test_an_experts_gradient_is_averaged_before_micro_batches_add_up():
+    from suites.techniques.expert import _averaged
+
+    # Two ranks, two micro-batches of gradient 1 each: the step's gradient is their mean over ranks summed
+    # over micro-batches, 0.5 + 0.5 (averaging after accumulation would give 0.75).
+    weight = torch.nn.Parameter(torch.zeros(3))
+    weight.register_hook(_averaged(2, reduce=False))
+    for _ in range(2):
+        weight.sum().backward()
+    assert weight.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_experts_spread_over_two_ranks_give_the_single_process_losses(tmp_path):
     single = losses("baseline", "moe-smoke")
-    result = _worker(stack, tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"], "moe-smoke")
+    result = _worker("expert-parallel", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"], "moe-smoke")
     # Each rank routes its half of the batch, its 2 of the 4 experts take every rank's tokens for them (the
     # capacity holds every token: none dropped), the rest is averaged over ranks: one process's steps.
     assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
