@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from harness.measure.distributed import leave_together, process_group, rank_slice
+from harness.measure.distributed import exit_now, launched_by_torchrun, leave_together, process_group, rank_slice
 from harness.measure.tensors import optimizer_state_bytes
 from harness.profiles import detect_local, load_profiles
 from suites.step import Step
@@ -72,3 +72,5 @@ if __name__ == "__main__":
         if not dist.is_initialized() or dist.get_rank() == 0:
             with open(out, "w") as handle:
                 json.dump(result, handle)
+    if launched_by_torchrun():
+        exit_now(0)  # the result is saved: skip a teardown that can abort (see exit_now)

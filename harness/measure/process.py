@@ -70,6 +70,8 @@ def main(argv: list[str]) -> int:
     if distributed.launched_by_torchrun():  # each rank writes its own row; the runner folds them
         result_path = distributed.rank_result_path(Path(result_path), distributed.rank())
     atomic_write_text(Path(result_path), json.dumps(record.to_dict()))
+    if distributed.launched_by_torchrun():
+        distributed.exit_now(0)  # the row is saved: skip a teardown that can abort (see exit_now)
     return 0
 
 
