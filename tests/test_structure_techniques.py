@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 from harness.cell import Cell
 from harness.measure.local import MeasureSettings, measure
@@ -322,19 +324,22 @@ def _clean(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-@pytest.mark.parametrize("workload_name", ["gpt", "bert", "resnet50"])
-def test_selective_checkpointing_matches_baseline(workload_name):
+@pytest.mark.parametrize("workload_name,selective", [("gpt", "selective-checkpointing"),
+                                                     ("bert", "selective-checkpointing"),
+                                                     ("resnet50", "selective-checkpointing"),
+                                                     ("gpt", "selective-checkpointing:mm=alternate")])
+def test_selective_checkpointing_matches_baseline(workload_name, selective):
     workload = WORKLOADS[workload_name]
     torch.manual_seed(0)
     model = workload.build(workload.sizes["smoke"])
     batch = _batch(workload_name)
     results = {}
-    for stack in ("baseline", "selective-checkpointing"):
+    for stack in ("baseline", selective):
         run = _run(workload_name, stack, model=copy.deepcopy(model))
         run.optimizer_factory = lambda params: torch.optim.SGD(params, lr=0.1)
         loss, _ = _train_step(run, batch)
         results[stack] = loss, {_clean(n): p.grad for n, p in run.model.named_parameters()}
-    (base_loss, base_grads), (loss, grads) = results["baseline"], results["selective-checkpointing"]
+    (base_loss, base_grads), (loss, grads) = results["baseline"], results[selective]
     torch.testing.assert_close(loss, base_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == base_grads.keys()
     for name, grad in base_grads.items():
@@ -351,14 +356,33 @@ def test_selective_checkpointing_keeps_matmul_and_attention_outputs():
         parse_stack("checkpointing+selective-checkpointing")
     reason = parse_stack("selective-checkpointing").check(CPU, WORKLOADS["gpt"], "infer")
     assert reason and "training" in reason
+    with pytest.raises(ValueError, match="mm must be all or alternate"):
+        parse_stack("selective-checkpointing:mm=half")
+    with pytest.raises(ValueError, match="one option, mm"):
+        parse_stack("selective-checkpointing:every=2")
+
+
+def test_torchtitans_alternating_policy_recomputes_every_second_linear_matmul_in_both_passes():
+    """Forward and recomputation count apart, so the recomputation recomputes exactly what was not saved."""
+    policy = checkpointing._policy(alternate=True)
+    forward, recompute = SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    aten, save = torch.ops.aten, CheckpointPolicy.MUST_SAVE
+    ops = [aten.addmm.default, aten.gelu.default, aten.mm.default, aten.mm.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default, aten.addmm.default]
+    decisions = [policy(forward, op) == save for op in ops]
+    assert decisions == [True, False, False, True, True, False]
+    assert [policy(recompute, op) == save for op in ops] == decisions
+    keep_all = checkpointing._policy(alternate=False)
+    assert [keep_all(forward, op) == save for op in ops] == [True, False, True, True, True, True]
 
 
 def test_selective_checkpointing_activations_sit_between_baseline_and_full():
     settings = MeasureSettings(warmup=1, steps=10, repeats=1)
     activations = {}
-    for stack in ("baseline", "checkpointing", "selective-checkpointing"):
+    for stack in ("baseline", "checkpointing", "selective-checkpointing", "selective-checkpointing:mm=alternate"):
         cell = Cell("gpt", "smoke", "train", stack, "cpu", 4).resolve(load_profiles())
         record = to_record(cell, measure(cell, settings), "test")
         assert record.status == "ok", record.reason
         activations[stack] = record.activations_bytes
-    assert activations["checkpointing"] < activations["selective-checkpointing"] < activations["baseline"]
+    assert (activations["checkpointing"] < activations["selective-checkpointing:mm=alternate"]
+            < activations["selective-checkpointing"] < activations["baseline"])

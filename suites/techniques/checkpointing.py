@@ -13,6 +13,8 @@ checkpointing but costs almost no extra FLOPs (Korthikanti et al. 2022, arXiv:22
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -47,8 +49,8 @@ def _apply(run: Run) -> None:
 
 # Ops whose outputs selective checkpointing keeps: the matmuls, every fused attention kernel (flash,
 # memory-efficient, cuDNN, the CPU flash kernel, the out-of-tree backend hook) and convolutions.
-# torchtitan's policy also recomputes every second mm to save more; this one keeps all of them, the
-# plain "save compute-bound, recompute memory-bound" rule. Looked up by name: not every torch has all.
+# By default all matmuls are kept, the plain "save compute-bound, recompute memory-bound" rule; with
+# mm=alternate every second one is recomputed, as torchtitan does. Looked up by name: not every torch has all.
 _SAVED_OP_NAMES = (
     "mm", "addmm", "bmm", "convolution",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -59,20 +61,58 @@ SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in _SAVED_O
                       if hasattr(torch.ops.aten, name))
 
 
-def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+# The matmuls torchtitan's alternating policy counts: a linear layer is `mm` without a bias, `addmm` with one.
+_LINEAR_OPS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
+MM_POLICIES = ("all", "alternate")
 
 
-def _selective_contexts():
+def _policy(alternate: bool):
+    """A fresh policy per checkpointed call. `alternate`: torchtitan's op-level SAC, which also recomputes
+    every second linear matmul (torchtitan/distributed/activation_checkpoint.py `_get_custom_policy`),
+    counted apart in the forward and the recomputation so that both pick the same ones."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op not in SAVED_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if alternate and op in _LINEAR_OPS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
+
+
+def _apply_selective(run: Run, mm: str) -> None:
     # A fresh pair of contexts per checkpointed call: they hold that call's saved outputs.
-    return create_selective_checkpoint_contexts(_policy)
-
-
-def _apply_selective(run: Run) -> None:
-    wrapped = _wrap_blocks(run, context_fn=_selective_contexts)
-    run.notes.append(f"selectively checkpointed {wrapped} blocks: matmul/attention/conv outputs kept, "
+    wrapped = _wrap_blocks(run, context_fn=lambda: create_selective_checkpoint_contexts(_policy(mm == "alternate")))
+    kept = "every second linear matmul" if mm == "alternate" else "matmul"
+    run.notes.append(f"selectively checkpointed {wrapped} blocks: {kept}/attention/conv outputs kept, "
                      "other ops recomputed")
     _note_batch_norm(run)
+
+
+def _selective(mm: str = "all") -> Technique:
+    base = Technique(
+        id="selective-checkpointing" + (f":mm={mm}" if mm != "all" else ""), phase=Phase.CHECKPOINT,
+        changes_numerics=False, guide="T5",
+        summary="per block, keep matmul/attention/conv outputs and recompute the cheap ops in backward "
+                "(mm=alternate: recompute every second matmul too, as torchtitan's op-level SAC)",
+        check=train_only("selective-checkpointing"), apply=lambda run: _apply_selective(run, mm),
+        exclusive="checkpointing")
+    return replace(base, configure=lambda given: _selective(_mm_option(given)))
+
+
+def _mm_option(options: dict[str, str]) -> str:
+    unknown = set(options) - {"mm"}
+    if unknown:
+        raise ValueError(f"selective-checkpointing takes one option, mm ({' or '.join(MM_POLICIES)}), "
+                         f"not {', '.join(sorted(unknown))}")
+    if options["mm"] not in MM_POLICIES:
+        raise ValueError(f"selective-checkpointing: mm must be {' or '.join(MM_POLICIES)}, got {options['mm']!r} "
+                         "(e.g. selective-checkpointing:mm=alternate)")
+    return options["mm"]
 
 
 CHECKPOINTING = Technique(
@@ -80,9 +120,6 @@ CHECKPOINTING = Technique(
     summary="recompute each block's activations in backward (per-block checkpointing)",
     check=train_only("checkpointing"), apply=_apply, exclusive="checkpointing")
 
-SELECTIVE_CHECKPOINTING = Technique(
-    id="selective-checkpointing", phase=Phase.CHECKPOINT, changes_numerics=False, guide="T5",
-    summary="per block, keep matmul/attention/conv outputs and recompute the cheap ops in backward",
-    check=train_only("selective-checkpointing"), apply=_apply_selective, exclusive="checkpointing")
+SELECTIVE_CHECKPOINTING = _selective()
 
 TECHNIQUES = (CHECKPOINTING, SELECTIVE_CHECKPOINTING)
