@@ -5,9 +5,9 @@ pipeline bubble, the communication over NVLink and the node network) together wi
 builds on. Prints the projected figure, the published one and the error (projected / published - 1).
 
 Where a published run used a setting headroom does not build, the closest stack stands in for it and the
-line says so (FSDP2's bf16 parameter gathers -> autocast's fp32 gathers, Megatron's vocabulary-parallel
-embedding -> a replicated one). torchtitan's selective checkpointing is its per-op policy (save matmul and
-attention outputs, recompute every second matmul): `selective-checkpointing:mm=alternate` builds the same.
+line says so (Megatron's vocabulary-parallel embedding -> a replicated one). torchtitan's runs are built
+as torchtitan builds them: FSDP2 gathering in bf16 (`fsdp:mp=bf16`), its per-op selective checkpointing
+(save matmul and attention outputs, recompute every second matmul: `selective-checkpointing:mm=alternate`).
 Its H100 benchmarks ran on Grand Teton's H100 96GB HBM2e (2.4 TB/s, 500 W limit): a profile derived
 from h100-sxm with that memory and bandwidth stands in (the power limit's lower clocks are not modelled).
 Usage: python benchmarks/parallel_validation.py
@@ -39,7 +39,9 @@ class Published:
     differs: str = ""
 
 
-TITAN_SAC = "fsdp+amp-bf16+selective-checkpointing:mm=alternate"  # torchtitan's per-op selective checkpointing
+# torchtitan's recipe: FSDP2 gathering in bf16 (MixedPrecisionPolicy), fp32 loss, per-op selective checkpointing.
+# Autocast here keeps its fp32 ops (norms, softmax, the loss) as torchtitan's fp32 loss and norms do.
+TITAN_SAC = "fsdp:mp=bf16+amp-bf16+selective-checkpointing:mm=alternate"
 GRAND_TETON = "h100-96gb-hbm2e"
 TITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 
@@ -47,17 +49,17 @@ CASES = (
     Published("Llama-3 8B, 64x A100 80GB, FSDP2, batch 1/GPU", "torchtitan docs/performance.md", "llama3-8b",
               "a100-sxm4-80gb", TITAN_SAC, 64, 64, "tokens_per_gpu_s", 2973),
     Published("Llama-2 13B, A100 80GB, FSDP2, no checkpointing", "torchtitan docs/performance.md", "gpt-13b",
-              "a100-sxm4-80gb", "fsdp+amp-bf16", 64, 64, "tokens_per_gpu_s", 2162,
+              "a100-sxm4-80gb", "fsdp:mp=bf16+amp-bf16", 64, 64, "tokens_per_gpu_s", 2162,
               "GPU count not stated there; 64 as for the 8B run"),
     # Table 1 (8 GPUs) and Table 3 (128 GPUs), eager FSDP rows; torchtitan logs the reserved peak.
     Published("Llama-3.1 8B, 8x H100 96GB, FSDP, batch 2, seq 8192", TITAN_H100, "llama3-8b", GRAND_TETON,
-              TITAN_SAC, 8, 16, "tokens_per_gpu_s", 5762, "bf16 parameter gathers there, fp32 + autocast here"),
+              TITAN_SAC, 8, 16, "tokens_per_gpu_s", 5762),
     Published("Llama-3.1 8B, 8x H100 96GB, FSDP, batch 2, seq 8192: peak memory", TITAN_H100, "llama3-8b",
-              GRAND_TETON, TITAN_SAC, 8, 16, "peak_gib", 82.4, "bf16 parameter gathers there, fp32 + autocast here"),
+              GRAND_TETON, TITAN_SAC, 8, 16, "peak_gib", 82.4),
     Published("Llama-3.1 8B, 128x H100 96GB, FSDP, batch 2, seq 8192", TITAN_H100, "llama3-8b", GRAND_TETON,
-              TITAN_SAC, 128, 256, "tokens_per_gpu_s", 5605, "bf16 parameter gathers there, fp32 + autocast here"),
+              TITAN_SAC, 128, 256, "tokens_per_gpu_s", 5605),
     Published("Llama-3.1 8B, 128x H100 96GB, FSDP, batch 2, seq 8192: peak memory", TITAN_H100, "llama3-8b",
-              GRAND_TETON, TITAN_SAC, 128, 256, "peak_gib", 67.0, "bf16 parameter gathers there, fp32 + autocast here"),
+              GRAND_TETON, TITAN_SAC, 128, 256, "peak_gib", 67.0),
     # Narayanan et al. 2021 / Megatron-LM README: t = 8, p = 16 (hence d = 8), global batch 1536 of micro-batch 1,
     # full recomputation; their TFLOP/s count the recomputed forward (eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh)).
     Published("GPT-3 175B, 1024x A100, t=8 p=16 d=8, batch 1536", "Megatron-LM README", "gpt3-175b",

@@ -28,9 +28,9 @@ def losses(stack: str, size: str = "smoke") -> dict:
     run = Run(workload=workload, size=spec, mode="train", profile=detect_local(load_profiles(None)),
               model=workload.build(spec), batch_size=GLOBAL_BATCH)
     parse_stack(stack).apply(run)
-    seen = []  # the sequence length the first block's input has on this rank
+    seen = []  # the sequence length and dtype of the first block's input on this rank
     blocks = workload.block_lists(getattr(run.model, "module", run.model))[0]  # DDP wraps the model
-    blocks[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    blocks[0].register_forward_pre_hook(lambda module, args: seen.append((args[0].shape[1], str(args[0].dtype))))
     step = Step(run, device)
     generator = torch.Generator().manual_seed(1)
     out = []
@@ -43,7 +43,8 @@ def losses(stack: str, size: str = "smoke") -> dict:
             loss /= dist.get_world_size() // (run.pipeline.stages if run.pipeline else 1)
         out.append(loss.item())
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in run.model.parameters())
-    return {"losses": out, "local_params": local, "block_input_seq": seen[0] if seen else None,
+    return {"losses": out, "local_params": local, "block_input_seq": seen[0][0] if seen else None,
+            "block_input_dtype": seen[0][1] if seen else None,
             "optimizer_bytes": optimizer_state_bytes(step.optimizer),
             "comm": run.comm_bytes_per_step}
 

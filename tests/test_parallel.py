@@ -53,6 +53,17 @@ def test_two_ranks_give_the_single_process_losses(stack, single, tmp_path):
         assert result["optimizer_bytes"] == single["optimizer_bytes"]  # a full replica per rank
 
 
+def test_fsdp_gathering_in_bf16_computes_in_bf16_over_fp32_shards(single, tmp_path):
+    # MixedPrecisionPolicy: blocks gathered and run in bf16 (their inputs cast too), shards and the optimizer
+    # step stay fp32; the losses are the fp32 ones to bf16's precision.
+    result = _worker("fsdp:mp=bf16", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
+    assert single["block_input_dtype"] == "torch.float32" and result["block_input_dtype"] == "torch.bfloat16"
+    assert result["losses"] == pytest.approx(single["losses"], rel=2e-2)
+    assert result["losses"] != pytest.approx(single["losses"], rel=1e-6)
+    assert result["local_params"] * 2 == single["local_params"]
+    assert result["optimizer_bytes"] == pytest.approx(single["optimizer_bytes"] / 2, rel=0.03)  # fp32 moments
+
+
 def test_tensor_parallel_shards_whole_heads_and_keeps_the_loss(single, tmp_path):
     from suites.workloads import get_workload
 

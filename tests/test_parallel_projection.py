@@ -66,6 +66,23 @@ def test_a_7b_full_fine_tune_needs_sharding_on_eight_h100s():
     assert fsdp.speed.step_time_ms_p50 > 0 and fsdp.comm_bytes_per_step > 0
 
 
+def test_fsdp_gathering_in_bf16_keeps_fp32_states_sends_less_and_drops_autocasts_weight_copies():
+    def projected(stack):
+        cell = Cell("gpt", "gpt-7b", "train", stack, "h100-sxm", 8, source="projected", world_size=8)
+        return project_outcome(cell.resolve(PROFILES))
+
+    cast, gathered = projected("fsdp+amp-bf16"), projected("fsdp:mp=bf16+amp-bf16")
+    for state in ("params", "grads", "optimizer"):  # fp32 shards either way
+        assert getattr(gathered.memory, state) == pytest.approx(getattr(cast.memory, state), rel=1e-4)
+    # Gathers twice in 2 bytes and reduce-scatters in 4, against 4 + 4 + 4.
+    assert gathered.comm_bytes_per_step == pytest.approx(cast.comm_bytes_per_step * 8 / 12, rel=1e-3)
+    # Autocast caches a bf16 copy of every fp32 weight until the forward ends; bf16 gathers need none.
+    dropped = cast.memory.activations - gathered.memory.activations
+    assert dropped == pytest.approx(2 * cast.memory.param_count, rel=0.1)
+    assert gathered.speed.step_time_ms_p50 < cast.speed.step_time_ms_p50  # no cast kernels per op
+    assert "bf16 gathers" in gathered.notes[0]
+
+
 def test_cpu_offload_without_a_known_host_link_has_no_step_time_and_says_why():
     cell = Cell("gpt", "gpt2-124m", "train", "cpu-offload+amp-bf16", "b200", 8, source="projected", world_size=8)
     outcome = project_outcome(cell.resolve(PROFILES))

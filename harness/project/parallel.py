@@ -37,6 +37,7 @@ from harness.project.communication import (
     tensor_parallel_bytes,
 )
 from harness.project.expert_parallel import all_to_all_bytes, expert_figures, rank_experts
+from harness.project.gathered import gathered_in
 from harness.project.roofline import estimate, host_link_bytes_s, offload_s
 from harness.project.tensor_parallel import rank_part, sharded_model_figures
 from suites.techniques import Stack, Unsupported
@@ -57,6 +58,10 @@ ACTIVATION_BYTES = {"bf16-mixed": 2, "fp16-mixed": 2, "fp8-mixed": 2, "bf16": 2,
 # 16-bit block outputs): what a pipeline stage sends on, and the gradients of the norms' fp32 outputs that
 # tensor parallelism all-reduces backward.
 STREAM_BYTES = {"bf16": 2, "fp16": 2}
+# FSDP2's MixedPrecisionPolicy: blocks gathered in a 16-bit dtype over fp32 master shards.
+GATHER_BYTES = {"bf16": 2}
+MASTER_BYTES = 4
+STATES = ("params", "grads", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class Layout:
     in_flight: int = 1
     schedule: str = "1f1b"
     data_technique: str | None = None
+    gather_dtype: str | None = None  # FSDP2's MixedPrecisionPolicy (`fsdp:mp=bf16`): blocks gathered in it
     sequence_parallel: bool = False
     ep: int = 1  # expert-parallel ranks (the same ranks train the rest data-parallel)
 
@@ -88,8 +94,8 @@ class Layout:
         if self.ep > 1:
             parts.append(f"{self.ep}-way expert")
         if self.data_technique:
-            parts.append(f"{self.dp}-way {self.data_technique}" if self.dp > 1 else
-                         f"{self.data_technique} over 1 rank (nothing to shard)")
+            name = self.data_technique + (f" ({self.gather_dtype} gathers)" if self.gather_dtype else "")
+            parts.append(f"{self.dp}-way {name}" if self.dp > 1 else f"{name} over 1 rank (nothing to shard)")
         return " x ".join(parts) or "one rank"
 
 
@@ -145,7 +151,13 @@ def layout_of(cell: ResolvedCell) -> Layout:
     in_flight = pipeline.in_flight(pp, per_pipeline) if pipeline and pp > 1 else 1
     return Layout(dp=dp, tp=tp, pp=pp, micro_batches=micro, in_flight=in_flight,
                   schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data,
-                  sequence_parallel="sequence-parallel" in parallel)
+                  gather_dtype=_gather_dtype(parallel.get(data)), sequence_parallel="sequence-parallel" in parallel)
+
+
+def _gather_dtype(technique) -> str | None:
+    """The `mp` option of an FSDP technique (`fsdp:mp=bf16`), None without one."""
+    options = dict(item.partition("=")[::2] for item in technique.id.split(":")[1:]) if technique else {}
+    return options.get("mp")
 
 
 def _expert_layout(parallel: dict, world: int) -> Layout:
@@ -159,7 +171,8 @@ def _expert_layout(parallel: dict, world: int) -> Layout:
     ep = degree(parallel["expert-parallel"], "e") or world
     if ep != world:
         raise Unsupported(f"expert-parallel:e={ep} on {world} GPUs: give --ep N alone (the world is its ranks)")
-    return Layout(dp=ep, ep=ep, data_technique=next(iter(others), None))
+    data = next(iter(others), None)
+    return Layout(dp=ep, ep=ep, data_technique=data, gather_dtype=_gather_dtype(parallel.get(data)))
 
 
 def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
@@ -173,7 +186,8 @@ def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
                           f"{layout.micro_batches} micro-batches; give a multiple of {slices}")
     kept = tuple(t for t in cell.stack.techniques if t.phase not in (Phase.PARALLEL, Phase.DATA_PARALLEL))
     stack = Stack(((rank_part(layout.tp),) if layout.tp > 1 else ())
-                  + ((rank_experts(layout.ep),) if layout.ep > 1 else ()) + kept)
+                  + ((rank_experts(layout.ep),) if layout.ep > 1 else ())
+                  + ((gathered_in(layout.gather_dtype),) if layout.gather_dtype else ()) + kept)
     spec = cell.spec
     if layout.pp > 1:
         depth = cell.workload.depth(spec)
@@ -296,6 +310,14 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     block = _largest_block(model, local.workload, per_param) if technique in ("fsdp", "fsdp-zero2",
                                                                                "cpu-offload") else 0
     block_grads = round(block * memory.grads / memory.params) if memory.params else 0
+    # Under FSDP2's MixedPrecisionPolicy the rank computed in the gathered dtype (as traced) but keeps fp32
+    # shards, gradients and optimizer state, and casts a block's gradients to fp32 to reduce-scatter them.
+    master = MASTER_BYTES / GATHER_BYTES[layout.gather_dtype] if layout.gather_dtype else 1.0
+    if layout.gather_dtype:
+        block_grads += round(block_grads * master)
+    phase_at_peak = {phase: {k: round(v * master) if k in STATES else v for k, v in at.items()}
+                     for phase, at in trace.phase_at_peak.items()}
+    reduced_grads = round(memory.grads * master)  # what the gradients' reduce-scatter carries
     layers = local.workload.depth(local.spec) or 0
     recomputed = any(_base(t).startswith("checkpointing") for t in cell.stack.techniques)
     # Each sharded module's input, all-gathered along the sequence, in the dtype its matmul saves it in; a
@@ -305,14 +327,14 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     per_block, saved = _sequence_sharded(local, layout, layers, gathered)
     in_flight = (layout.in_flight - 1) * layers * per_block if layout.pp > 1 else 0
     in_flight -= saved  # negative: what sequence parallelism takes off each forward's activations
-    states = (trace.params_bytes, trace.grads_bytes, trace.optimizer_bytes)
+    states = tuple(round(size * master) for size in (trace.params_bytes, trace.grads_bytes, trace.optimizer_bytes))
     replicated, own = trace.param_count, (0, 0, 0)
     if layout.ep > 1:
         tokens = local.batch_size * (local.spec.seq_len or 1)
         moe, buffer, replicated = expert_figures(local.workload, cell.spec, layout.ep, tokens)
         mine = max(0, trace.param_count - replicated) / max(1, trace.param_count)  # this rank's experts' share
         own = tuple(round(size * mine) for size in states)
-    rank = rank_memory(technique, layout.dp, trace.phase_at_peak, states, block, block_grads, in_flight, own)
+    rank = rank_memory(technique, layout.dp, phase_at_peak, states, block, block_grads, in_flight, own)
     # What the allocator model adds to the trace's live bytes (workspaces), and its reserve, carry over.
     peak = memory.peak_allocated - trace.peak_bytes + rank.peak
     reserved = (memory.chosen_reserved or memory.peak_allocated) - memory.peak_allocated + peak
@@ -331,7 +353,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         library_workspaces=memory.workspaces, params=rank.params, grads=rank.grads, optimizer=rank.optimizer,
         activations=memory.activations + in_flight, temporaries=memory.temporaries, param_count=trace.param_count,
         host=rank.host)
-    sent = collective_bytes(technique, layout.dp, memory.params, memory.grads, layout.micro_batches)
+    sent = collective_bytes(technique, layout.dp, memory.params, reduced_grads, layout.micro_batches)
     element, stream = ACTIVATION_BYTES.get(trace.precision, 4), STREAM_BYTES.get(trace.precision, 4)
     elements = local.batch_size * (local.spec.seq_len or 0) * width
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed),
@@ -341,7 +363,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         # What is not an expert trains data-parallel (all-reduced as DDP would) or sharded over the same ranks.
         share = replicated / max(1, trace.param_count)
         sent = collective_bytes(technique or "data-parallel", layout.ep, round(memory.params * share),
-                                round(memory.grads * share), layout.micro_batches)
+                                round(reduced_grads * share), layout.micro_batches)
         if technique is None:
             # expert-parallel's own averaging: every backward's gradients all-reduced one parameter at a time,
             # synchronously (suites/techniques/expert.py), after each micro-batch: nothing hides it.
@@ -349,7 +371,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     comm_bytes = sum(sent.values()) + layout.micro_batches * sum(per_micro.values())
     speed = None
     if fits is not False and projection.time is not None:
-        speed = _step(cell, layout, projection, sent, per_micro, rank, notes)
+        speed = _step(cell, layout, projection, sent, per_micro, rank, notes, master)
     status, reason = "ok", ""
     if fits is False:
         status = "oom"
@@ -361,7 +383,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
 
 
 def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float], per_micro: dict[str, float],
-          rank: RankMemory, notes: list[str]) -> SpeedFigures | None:
+          rank: RankMemory, notes: list[str], master: float = 1.0) -> SpeedFigures | None:
     """The parallel step: (m + p - 1) pipeline slots of one micro-batch's compute and its tensor-, pipeline-
     and expert-parallel sends, then the optimizer step, the data-parallel communication not hidden, and an
     offloaded step's host traffic; None (with a note) where a link's bandwidth is unknown."""
@@ -391,8 +413,8 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
     if layout.data_technique == "cpu-offload":
         # Each step this rank's gradient shard goes to the host, whose AdamW updates the parameter shard,
         # which comes back for the next step's gathers.
-        params_shard = -(-trace.params_bytes // layout.dp)
-        grads_shard = -(-trace.grads_bytes // layout.dp)
+        params_shard = -(-round(trace.params_bytes * master) // layout.dp)  # fp32 shards under a gather dtype
+        grads_shard = -(-round(trace.grads_bytes * master) // layout.dp)
         step += offload_s(HostTraffic(rank.host or 0, grads_shard, params_shard, 7 * params_shard), host_link,
                           phases["backward"], notes)
     if layout.pp > 1:

@@ -155,6 +155,20 @@ class Technique:
             raise ValueError(f"technique {self.id!r}: fine_tune applies to post-training techniques only")
 
 
+def choice_option(technique: str, option: str, choices, options: dict[str, str], meaning: str = "") -> str:
+    """A technique's one option taking one of `choices` (`selective-checkpointing:mm=alternate`), checked:
+    ValueError naming what was wrong and an example."""
+    listed = " or ".join(choices)
+    unknown = set(options) - {option}
+    if unknown:
+        raise ValueError(f"{technique} takes one option, {option} ({listed}{': ' + meaning if meaning else ''}), "
+                         f"not {', '.join(sorted(unknown))}")
+    if options[option] not in choices:
+        raise ValueError(f"{technique}: {option} must be {listed}, got {options[option]!r} "
+                         f"(e.g. {technique}:{option}={list(choices)[-1]})")
+    return options[option]
+
+
 def always(profile: GpuProfile, workload: Workload, mode: str) -> str | None:
     """A check for techniques that run everywhere."""
     return None

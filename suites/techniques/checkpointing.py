@@ -20,7 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from suites.techniques.base import Phase, Run, Technique, Unsupported, train_only
+from suites.techniques.base import Phase, Run, Technique, Unsupported, choice_option, train_only
 
 
 def _wrap_blocks(run: Run, **checkpoint_kwargs) -> int:
@@ -101,18 +101,8 @@ def _selective(mm: str = "all") -> Technique:
                 "(mm=alternate: recompute every second matmul too, as torchtitan's op-level SAC)",
         check=train_only("selective-checkpointing"), apply=lambda run: _apply_selective(run, mm),
         exclusive="checkpointing")
-    return replace(base, configure=lambda given: _selective(_mm_option(given)))
-
-
-def _mm_option(options: dict[str, str]) -> str:
-    unknown = set(options) - {"mm"}
-    if unknown:
-        raise ValueError(f"selective-checkpointing takes one option, mm ({' or '.join(MM_POLICIES)}), "
-                         f"not {', '.join(sorted(unknown))}")
-    if options["mm"] not in MM_POLICIES:
-        raise ValueError(f"selective-checkpointing: mm must be {' or '.join(MM_POLICIES)}, got {options['mm']!r} "
-                         "(e.g. selective-checkpointing:mm=alternate)")
-    return options["mm"]
+    return replace(base, configure=lambda given: _selective(
+        choice_option("selective-checkpointing", "mm", MM_POLICIES, given)))
 
 
 CHECKPOINTING = Technique(

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from suites.techniques.base import Phase, Run, Technique, Unsupported
+from suites.techniques.base import Phase, Run, Technique, Unsupported, choice_option
 
 
 def distributed():
@@ -109,8 +109,12 @@ def _apply_zero1(run: Run) -> None:
     run.notes.append("ZeRO-1: each rank keeps and steps 1/N of the optimizer state, then broadcasts its parameters")
 
 
-def _shard(run: Run, reshard_after_forward: bool, offload: bool) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+# FSDP2's MixedPrecisionPolicy dtypes an `mp` option names (torchtitan trains with bf16).
+GATHER_DTYPES = {"bf16": torch.bfloat16}
+
+
+def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None = None) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     dist = distributed()
     _splits_batch(run, dist, sharded=True)
@@ -119,13 +123,18 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool) -> None:
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if offload:
         options["offload_policy"] = CPUOffloadPolicy()
+    if mp:
+        # Shards stay fp32 (the optimizer steps them); each block is all-gathered in `mp` and computes in
+        # it; its gradients are reduce-scattered in fp32, as torchtitan's default policy does.
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=GATHER_DTYPES[mp], reduce_dtype=torch.float32)
     blocks = [block for container in run.workload.block_lists(run.model) for block in container]
     for block in blocks:  # one all-gather per block: only one block's parameters are whole at a time
         fully_shard(block, **options)
     fully_shard(run.model, **options)
     run.placed = True
     # Global (unsharded) bytes: every parameter is gathered, only trained ones have gradients to scatter.
-    params = sum(p.numel() * p.element_size() for p in run.model.parameters())
+    gathered = GATHER_DTYPES[mp].itemsize if mp else None  # bytes per element all-gathered under `mp`
+    params = sum(p.numel() * (gathered or p.element_size()) for p in run.model.parameters())
     trained = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
     world = run.data_parallel
     gathers = 1 if not reshard_after_forward else 2  # forward, and again for the backward unless kept
@@ -133,6 +142,7 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool) -> None:
     run.notes.append(f"FSDP2 over {world} data-parallel ranks, {len(blocks)} blocks sharded one by one"
                      + ("; parameters kept gathered from forward to backward (ZeRO-2)" if not reshard_after_forward
                         else "") + ("; shards and optimizer step in host memory" if offload else "")
+                     + (f"; blocks gathered and computed in {mp}, gradients reduced in fp32" if mp else "")
                      + f"; {run.comm_bytes_per_step:,} bytes sent per rank per step (ring all-gather / "
                        "reduce-scatter)")
 
@@ -327,20 +337,28 @@ ZERO1 = Technique(
     summary="DDP with the optimizer state sharded over ranks (ZeroRedundancyOptimizer, ZeRO stage 1)",
     check=_check_train, apply=_apply_zero1)
 
-FSDP = Technique(
-    id="fsdp", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T16", exclusive="data-parallel",
-    summary="FSDP2 fully_shard per block: parameters, gradients and optimizer state sharded (ZeRO stage 3)",
-    check=_check_sharded, apply=lambda run: _shard(run, reshard_after_forward=True, offload=False))
+def _sharding(id_: str, summary: str, check, reshard_after_forward: bool, offload: bool,
+              mp: str | None = None) -> Technique:
+    """An FSDP2 technique; its option `mp=bf16` gathers and computes in bf16 (MixedPrecisionPolicy) over fp32
+    shards, instead of autocast casting fp32 gathers (whose cast cache keeps every block's 16-bit weights
+    until the forward ends)."""
+    base = Technique(
+        id=id_ + (f":mp={mp}" if mp else ""), phase=Phase.DATA_PARALLEL, changes_numerics=mp is not None,
+        guide="T16", exclusive="data-parallel", check=check,
+        summary=summary + ("" if mp else "; mp=bf16: gathered and computed in bf16 (FSDP2 MixedPrecisionPolicy)"),
+        apply=lambda run: _shard(run, reshard_after_forward=reshard_after_forward, offload=offload, mp=mp))
+    return replace(base, configure=lambda given: _sharding(id_, summary, check, reshard_after_forward, offload,
+                                                           choice_option(id_, "mp", GATHER_DTYPES, given,
+                                                                         "the dtype blocks are gathered in")))
 
-FSDP_ZERO2 = Technique(
-    id="fsdp-zero2", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T16", exclusive="data-parallel",
-    summary="FSDP2 keeping each block's gathered parameters from forward to backward (ZeRO stage 2)",
-    check=_check_sharded, apply=lambda run: _shard(run, reshard_after_forward=False, offload=False))
 
-CPU_OFFLOAD = Technique(
-    id="cpu-offload", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T16", exclusive="data-parallel",
-    summary="FSDP2 with its offload policy: parameter shards, gradients and the optimizer step in host memory",
-    check=_check_offload, apply=lambda run: _shard(run, reshard_after_forward=True, offload=True))
+FSDP = _sharding("fsdp", "FSDP2 fully_shard per block: parameters, gradients and optimizer state sharded (ZeRO "
+                 "stage 3)", _check_sharded, reshard_after_forward=True, offload=False)
+FSDP_ZERO2 = _sharding("fsdp-zero2", "FSDP2 keeping each block's gathered parameters from forward to backward "
+                       "(ZeRO stage 2)", _check_sharded, reshard_after_forward=False, offload=False)
+CPU_OFFLOAD = _sharding("cpu-offload", "FSDP2 with its offload policy: parameter shards, gradients and the "
+                        "optimizer step in host memory", _check_offload, reshard_after_forward=True, offload=True)
+
 
 def _tensor_parallel(ranks: int | None = None) -> Technique:
     """tensor-parallel over every rank, or (`tensor-parallel:t=8`) over groups of `ranks`."""
