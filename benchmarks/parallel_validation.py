@@ -21,6 +21,7 @@ from harness.cell import Cell
 from harness.outcome import to_record
 from harness.profiles import load_profiles
 from harness.project import project_outcome
+from suites.workloads import WORKLOADS
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Published:
     figure: str  # "tokens_per_gpu_s", "hardware_tflops_per_gpu" or "peak_gib"
     value: float
     differs: str = ""
+    vocab: int | None = None  # the vocabulary as the run padded it, where it differs from the size's
 
 
 # torchtitan's recipe: FSDP2 gathering in bf16 (MixedPrecisionPolicy), fp32 loss, per-op selective checkpointing.
@@ -65,7 +67,9 @@ CASES = (
     Published("GPT-3 175B, 1024x A100, t=8 p=16 d=8, batch 1536", "Megatron-LM README", "gpt3-175b",
               "a100-sxm4-80gb", "tensor-parallel:t=8+pipeline-parallel:p=16:m=192+data-parallel+amp-bf16"
               "+checkpointing", 1024, 1536, "hardware_tflops_per_gpu", 138,
-              "embedding replicated here (vocabulary-parallel there), fp32 master weights through autocast"),
+              "embedding replicated here (vocabulary-parallel there), fp32 master weights through autocast; "
+              "GPT-2's 50,257 tokens padded to 51,200 as Megatron pads them (its eq. 3 counts V = 51,200)",
+              vocab=51200),
 )
 
 
@@ -86,7 +90,11 @@ def with_grand_teton(profiles: dict) -> dict:
 
 def projected_figure(case: Published, profiles) -> tuple[float | None, str]:
     cell = Cell("gpt", case.size, "train", case.stack, case.gpu, case.batch, source="projected",
-                world_size=case.world).resolve(profiles)
+                world_size=case.world)
+    spec = WORKLOADS["gpt"].sizes[case.size]
+    if case.vocab:
+        spec = replace(spec, config={**spec.config, "vocab_size": case.vocab})
+    cell = cell.resolve(profiles, spec=spec)
     record = to_record(cell, project_outcome(cell), "validation")
     if record.status != "ok" and case.figure != "peak_gib":
         return None, f"{record.status}: {record.reason}"
