@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, under 8 minutes by construction (each step has its own limit; they sum to
-# about 7.7 min): a quick calibration (60 s), measured cells with their projected twins for each workload
+# about 7.9 min): a quick calibration (60 s), measured cells with their projected twins for each workload
 # (3 x 50 s: peak, reserved and step-time errors), measured decode of served decoders (70 s), the allocator
-# settings as techniques (60 s), the projected largest batch measured (50 s: it must run, 10% more must
-# not), then every test marked `gpu` (50 s).
+# settings as techniques (50 s), the fragmentation workload under each setting (45 s), the projected largest
+# batch measured (50 s: it must run, 10% more must not), then every test marked `gpu` (50 s).
 # Here:   nox -s gpu-check   (or: bash benchmarks/gpu_vendor.sh, then on the device machine)
 # Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=540)
 # $OUT gets two files (the device returns at most 8): summary.txt, written as it goes, and
@@ -44,9 +44,16 @@ done
 # The allocator settings as techniques: each cell's process restarts with its PYTORCH_CUDA_ALLOC_CONF, and
 # the row records the setting the allocator reports (its twin is compared with that setting's projection).
 step "allocator settings: gpt train amp-bf16 under expandable segments and cudaMallocAsync"
-timeout -k 5 60 $PY -m harness.cli run --scale standard --workload gpt --mode train \
-  --technique amp-bf16+alloc-expandable,amp-bf16+alloc-async --steps 10 --repeats 2 --warmup 2 --cell-timeout 25 \
+timeout -k 5 50 $PY -m harness.cli run --scale standard --workload gpt --mode train \
+  --technique amp-bf16+alloc-expandable,amp-bf16+alloc-async --steps 10 --repeats 2 --warmup 2 --cell-timeout 22 \
   --out "$WORK/bench-alloc" > "$WORK/run-alloc.txt" 2>&1
+echo "exit $?" | tee -a "$OUT/summary.txt"
+# The fragmentation workload (a length drawn per step) under each setting: its measured reserved peak over the
+# loop against the allocator model's replay of the loop (C4).
+step "fragmentation workload: gpt2-124m variable-length loop under native, expandable segments, cudaMallocAsync"
+timeout -k 5 45 $PY -m harness.cli run --workload fragmentation --size gpt2-124m --mode train \
+  --technique amp-bf16,amp-bf16+alloc-expandable,amp-bf16+alloc-async --steps 10 --repeats 1 --warmup 0 \
+  --cell-timeout 14 --out "$WORK/bench-fragmentation" > "$WORK/run-fragmentation.txt" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
 # Serving: measured decode (tokens/s, bandwidth use) of gpt2-124m and a 7B shape (random weights) in bf16,
 # int8 and int4 weights, eager and compiled, each with its projected twin (issue: LLM serving, point 7).

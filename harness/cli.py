@@ -421,15 +421,15 @@ def cmd_techniques(args) -> int:
 def cmd_workloads(args) -> int:
     import torch
 
-    from suites.workloads import WORKLOADS
+    from suites.workloads import PROBES, WORKLOADS
     from suites.workloads.base import count_parameters
 
-    for workload in WORKLOADS.values():
+    for workload in [*WORKLOADS.values(), *PROBES.values()]:
         for spec in workload.sizes.values():
             with torch.device("meta"):
                 params = count_parameters(workload.build(spec))
             shape = f"seq {spec.seq_len}" if spec.seq_len else f"{spec.image_size}px"
-            print(f"{workload.name:9} {spec.name:12} {spec.scale:9} {params / 1e6:10.1f} M params  "
+            print(f"{workload.name:13} {spec.name:12} {spec.scale:9} {params / 1e6:10.1f} M params  "
                   f"batch {spec.batch_size:<4} {shape}")
     return 0
 

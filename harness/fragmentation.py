@@ -22,21 +22,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import subprocess
 import sys
 from dataclasses import dataclass
 
 from harness.project.allocator import SETTINGS, ExpandableSegmentsAllocator, NativeAllocator
+from suites.workloads.fragmentation import LOOP_SEED, LOOP_STEPS, step_lengths
 
 GiB = 2**30
 GUIDE_TENSORS = 6   # 1 GiB each
 GUIDE_REQUEST = 2 * GiB
-# The variable-length loop: steps, and the lengths drawn from (uniform over multiples of 64 up to the size's
-# sequence; of an eighth of it for short ones).
-LOOP_STEPS = 8
-LENGTH_MULTIPLE = 64
-LOOP_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -116,19 +111,19 @@ def replay_fragmentation(events, setting: str, capacity: int | None, scenario: s
                                _largest_free(allocator), retries[0], oom, held)
 
 
-def variable_length_events(cell, steps: int = LOOP_STEPS, seed: int = LOOP_SEED) -> tuple[list, list[int]]:
-    """The allocation log of `steps` training steps of `cell` (a language model) at lengths drawn per
-    step, and the lengths: the state as the first step's trace holds it, then each step's allocations and
-    frees of the tensors it creates and frees itself."""
+def loop_traces(cell, steps: int = LOOP_STEPS, seed: int = LOOP_SEED) -> tuple[list, list[int]]:
+    """Full-depth traces of `cell` (a language model) at the lengths its loop draws, and the lengths."""
     from harness.project.trace import traced
 
-    limit = cell.spec.seq_len
-    multiple = max(1, min(LENGTH_MULTIPLE, limit // 8))  # at least eight lengths to draw from
-    rng = random.Random(seed)
-    lengths = [rng.randrange(multiple, limit + 1, multiple) for _ in range(steps)]
+    lengths = step_lengths(cell.spec, steps, seed)
+    return [traced(cell.with_spec(dataclasses.replace(cell.spec, seq_len=length))) for length in lengths], lengths
+
+
+def loop_events(traces) -> list[tuple[str, int, int]]:
+    """The allocation log of the loop: the state as the first step's trace holds it, then each step's
+    allocations and frees of the tensors it creates and frees itself."""
     events: list[tuple[str, int, int]] = []
-    for index, length in enumerate(lengths):
-        trace = traced(cell.with_spec(dataclasses.replace(cell.spec, seq_len=length)))
+    for index, trace in enumerate(traces):
         if index == 0:
             events += trace.events[:trace.measured_from]
         step = trace.events[trace.measured_from:]
@@ -137,7 +132,13 @@ def variable_length_events(cell, steps: int = LOOP_STEPS, seed: int = LOOP_SEED)
         transient = born & freed
         offset = (index + 1) << 48  # keys of different traces never meet
         events += [(kind, key + offset, size) for kind, key, size in step if key in transient]
-    return events, lengths
+    return events
+
+
+def variable_length_events(cell, steps: int = LOOP_STEPS, seed: int = LOOP_SEED) -> tuple[list, list[int]]:
+    """The allocation log of `steps` training steps of `cell` at lengths drawn per step, and the lengths."""
+    traces, lengths = loop_traces(cell, steps, seed)
+    return loop_events(traces), lengths
 
 
 GUIDE_SCENARIO = f"guide: {GUIDE_TENSORS} x 1 GiB, free every other, ask {GUIDE_REQUEST // GiB} GiB"

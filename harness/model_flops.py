@@ -23,6 +23,7 @@ from harness.cell import ResolvedCell
 from suites.techniques import Run, Stack
 from suites.techniques.base import Phase
 from suites.workloads.base import SizeSpec, Workload
+from suites.workloads.fragmentation import loop_specs
 
 
 def analytic_flops_per_sample(workload: Workload, spec: SizeSpec, mode: str) -> float:
@@ -30,7 +31,8 @@ def analytic_flops_per_sample(workload: Workload, spec: SizeSpec, mode: str) -> 
     a served decoder's generation, one forward of every token it processes: the prompt in the prefill and
     each generated token but the last in a decode step)."""
     if mode == "train":
-        return workload.train_flops_per_sample(spec)
+        loop = loop_specs(workload, spec, mode) or [spec]  # a variable-length loop: its mean step's
+        return sum(map(workload.train_flops_per_sample, loop)) / len(loop)
     if spec.gen_len is not None:
         spec = dataclasses.replace(spec, seq_len=spec.seq_len + spec.gen_len - 1, gen_len=None)
     return workload.forward_flops_per_sample(spec)

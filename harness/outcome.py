@@ -127,7 +127,9 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
     notes = list(outcome.notes)
     values: dict = {}
     if resolved is not None:
-        values.update(seq_len=resolved.spec.seq_len, image_size=resolved.spec.image_size, gen_len=resolved.spec.gen_len,
+        # A variable-length loop's rows count its mean length (tokens/s, cost per token).
+        values.update(seq_len=resolved.workload.tokens_per_sample(resolved.spec), image_size=resolved.spec.image_size,
+                      gen_len=resolved.spec.gen_len,
                       accuracy_metric=resolved.workload.accuracy_metric or None)
         values["device_name"] = outcome.device_name or resolved.profile.name
     if outcome.memory is not None:
@@ -178,7 +180,7 @@ def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: f
     """Speed as measured or projected, and what derives from it (tokens/s, MFU, cost)."""
     speed = outcome.speed
     # A generation's tokens are the ones it generates (tokens/s and USD per million generated tokens).
-    tokens = resolved.spec.gen_len or resolved.spec.seq_len
+    tokens = resolved.spec.gen_len or resolved.workload.tokens_per_sample(resolved.spec)
     # N ranks are N GPUs: utilisation and cost are per GPU, at the global throughput's Nth.
     world = resolved.cell.world_size
     per_gpu = speed.throughput_samples_s / world if speed.throughput_samples_s is not None else None

@@ -3,6 +3,8 @@ loop through the allocator model under each setting, C4's verdict, the command a
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pandas as pd
 import pytest
 import torch
@@ -18,7 +20,13 @@ from harness.fragmentation import (
     replay_fragmentation,
     variable_length_events,
 )
+from harness.measure.local import MeasureSettings, measure
+from harness.outcome import to_record
 from harness.profiles import load_profiles
+from harness.project import project_outcome
+from suites.step import Step
+from suites.workloads import PROBES, WORKLOADS, get_workload
+from suites.workloads.fragmentation import loop_specs, step_lengths
 
 PROFILES = load_profiles()
 
@@ -43,6 +51,56 @@ def test_a_variable_length_loop_fragments_the_native_allocator_most():
     results = {s: replay_fragmentation(events, s, None, "loop") for s in ("native", "expandable_segments",
                                                                             "cudaMallocAsync")}
     assert results["native"].waste >= results["expandable_segments"].waste >= results["cudaMallocAsync"].waste == 0
+
+
+def test_the_fragmentation_workload_draws_a_seeded_length_per_step_and_is_run_only_when_named():
+    workload = get_workload("fragmentation")
+    assert workload.name not in WORKLOADS and workload.name in PROBES  # not in the default plan
+    spec = workload.size("gpt2-124m")
+    loop = loop_specs(workload, spec, "train")
+    lengths = [size.seq_len for size in loop]
+    assert lengths == step_lengths(spec) and len(set(lengths)) > 2
+    assert all(length % 64 == 0 and 64 <= length <= spec.seq_len for length in lengths)
+    assert loop_specs(workload, spec, "infer") is None and loop_specs(get_workload("gpt"), spec, "train") is None
+
+
+def test_projected_over_its_loop_the_native_allocator_reserves_more_than_for_one_length():
+    """The longest step's peak, the loop's reserved: blocks freed by steps of other lengths stay cached."""
+    def projected(workload, stack):
+        spec = get_workload(workload).with_depth(get_workload(workload).size("gpt2-124m"), 2)
+        cell = Cell(workload, "gpt2-124m", "train", stack, "h100-sxm", 4, source="projected")
+        return project_outcome(cell.resolve(PROFILES, spec=spec))
+
+    loop, fixed = projected("fragmentation", "amp-bf16"), projected("gpt", "amp-bf16")
+    assert loop.memory.peak_allocated == fixed.memory.peak_allocated  # the longest drawn is the whole 1024
+    assert loop.memory.peak_reserved > 1.1 * fixed.memory.peak_reserved
+    expandable = projected("fragmentation", "amp-bf16+alloc-expandable")
+    assert expandable.memory.peak_reserved < loop.memory.peak_reserved
+    assert loop.speed.step_time_ms_p50 < fixed.speed.step_time_ms_p50  # shorter steps on average
+    assert "sequence lengths 832, 896, 128" in loop.notes[0] and "not allocated" in loop.notes[1]
+    # Its tokens and FLOPs per sample are the loop's mean step's, so tokens/s and MFU are not overstated.
+    record = to_record(Cell("fragmentation", "gpt2-124m", "train", "amp-bf16", "h100-sxm", 4,
+                            source="projected").resolve(PROFILES), loop, "test")
+    mean = sum(step_lengths(get_workload("fragmentation").size("gpt2-124m"))) / 8
+    assert record.seq_len == round(mean) and record.tokens_per_s == pytest.approx(record.throughput_samples_s * 744)
+
+
+def test_measured_it_runs_each_length_once_before_the_timed_steps_cycle_through_them():
+    cell = Cell("fragmentation", "smoke", "train", "baseline", "cpu", 2).resolve(PROFILES)
+    seen = []
+    original = Step.__call__
+
+    def spy(self, batch, *args, **kwargs):
+        seen.append(batch["input_ids"].shape[1])
+        return original(self, batch, *args, **kwargs)
+
+    with mock.patch.object(Step, "__call__", spy):
+        outcome = measure(cell, MeasureSettings(warmup=0, steps=10, repeats=1))
+    lengths = step_lengths(cell.spec)
+    assert outcome.status == "ok" and seen[:len(lengths)] == lengths
+    assert seen[len(lengths)] == max(lengths)  # the step memory is read on
+    assert seen[-10:] == (lengths * 2)[:10]  # the timed steps cycle through the loop
+    assert any("variable-length loop" in note for note in outcome.notes)
 
 
 def _result(allocator, waste, scenario="loop"):

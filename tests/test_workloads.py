@@ -57,7 +57,7 @@ def test_registry():
     assert get_workload("gpt").accuracy_metric == "bits-per-byte"
     assert get_workload("bert").accuracy_metric == "masked-byte-accuracy"
     assert get_workload("resnet50").accuracy_metric == "top1"
-    with pytest.raises(ValueError, match="unknown workload 'xyz'; valid: resnet50, bert, gpt$"):
+    with pytest.raises(ValueError, match="unknown workload 'xyz'; valid: resnet50, bert, gpt, fragmentation$"):
         get_workload("xyz")
     with pytest.raises(ValueError, match="did you mean 'resnet50'"):
         get_workload("resnet")

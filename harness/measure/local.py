@@ -7,6 +7,7 @@ so each checks the other. Exceptions propagate: the cell's process turns them in
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import resource
 import time
@@ -31,6 +32,7 @@ from suites.techniques import Run, Unsupported
 from suites.techniques.adapters import store_frozen_in
 from suites.techniques.offload import host_state_bytes
 from suites.workloads.base import count_parameters
+from suites.workloads.fragmentation import loop_specs
 
 # Extra warm-up steps allowed for fp16 loss scaling to settle (each overflow halves the scale).
 MAX_SCALER_WARMUP = 30
@@ -100,12 +102,22 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
             step = Step(run, device)  # a step can refuse what the stack's techniques leave together
         except Unsupported as exc:
             return failure("unsupported", str(exc), device_name=profile.name)
-        # Every rank draws the same global batch and keeps its slice (data-parallel and sharded stacks).
-        global_batch = workload.batch(spec, cell.batch_size, generator)
-        batch = {k: v.to(device) for k, v in rank_slice(global_batch, run.data_parallel, run.data_rank).items()}
+        # Every rank draws the same global batch and keeps its slice (data-parallel and sharded stacks); a
+        # variable-length workload draws one per step of its loop of lengths.
+        loop = loop_specs(workload, spec, cell.mode) or [spec]
+        batches = [{k: v.to(device) for k, v in rank_slice(workload.batch(size, cell.batch_size, generator),
+                                                            run.data_parallel, run.data_rank).items()}
+                   for size in loop]
+        batch = batches[max(range(len(loop)), key=lambda i: loop[i].seq_len or 0)]  # memory is read on the longest
         warm_up_started = time.perf_counter()
         for _ in range(settings.warmup):
             step(batch)
+        if len(batches) > 1:
+            for each in batches:  # the whole loop once: every length's blocks go through the cache
+                step(each)
+            run.notes.append(f"variable-length loop: sequence lengths {', '.join(str(s.seq_len) for s in loop)}, "
+                             f"one per step (timed steps cycle through them); memory read on the longest step, "
+                             f"reserved over the whole loop")
         # fp16 loss scaling starts at 2**16 and skips the optimizer step while gradients overflow; warm
         # up until a step was really taken, or the optimizer state (and its memory) would be missing.
         for _ in range(MAX_SCALER_WARMUP):
@@ -126,7 +138,7 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
     source, _ = open_source(device)
     sampler = NvmlSampler(source) if source is not None else contextlib.nullcontext()
     with sampler:
-        timing, generation = _timed(step, batch, settings, device)
+        timing, generation = _timed(step, batches if len(batches) > 1 else batch, settings, device)
     if step.generates:
         serving = ServingFigures(
             gen_len=spec.gen_len, ttft_ms=generation.ttft_ms, decode_ms_p50=generation.decode_percentile_ms(0.5),
@@ -187,10 +199,14 @@ def _artifacts(cell: ResolvedCell, one_step, device: torch.device, settings: Mea
 
 def _timed(step: Step, batch, settings: MeasureSettings, device: torch.device):
     """The timed steps (a step is one generation for a served decoder, whose gen_len - 1 decode steps are
-    timed one by one besides): (their Timing, the GenerationTiming or None)."""
+    timed one by one besides; `batch` a list: a variable-length loop's batches, taken in turn): (their
+    Timing, the GenerationTiming or None)."""
     if step.generates:
         generation = time_generation(step, batch["input_ids"], settings.steps, settings.repeats, device)
         return generation.generations, generation
+    if isinstance(batch, list):  # a variable-length loop: each timed step takes the loop's next batch
+        loop = itertools.cycle(batch)
+        return time_steps(lambda: step(next(loop)), settings.steps, settings.repeats, device), None
     return time_steps(lambda: step(batch), settings.steps, settings.repeats, device), None
 
 

@@ -33,7 +33,9 @@ from harness.project.search import (
 from harness.project.serving import GenerationTime, generation_time
 from harness.project.speed_constants import fit_provenance
 from harness.project.trace import StepTrace, traced
+from harness.project.variable_length import project_loop
 from suites.techniques import Unsupported
+from suites.workloads.fragmentation import loop_specs
 
 
 @dataclass
@@ -46,6 +48,13 @@ class Projection:
 
 def project(cell: ResolvedCell) -> Projection:
     """Memory and time of one cell on its profile (raises Unsupported like a measured run would)."""
+    loop = loop_specs(cell.workload, cell.spec, cell.mode)
+    if loop:  # trained on a length drawn per step: the loop's reserved peak and mean step
+        return project_loop(cell, loop, _project_fixed)
+    return _project_fixed(cell)
+
+
+def _project_fixed(cell: ResolvedCell) -> Projection:
     profile = cell.profile.per_device()  # a process runs on one device of a multi-device package
     trace, logged, depths = traced_to_depth(cell, profile)
     memory = project_memory(trace, logged, profile, cell.mode, depths)

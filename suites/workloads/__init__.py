@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import difflib
 
-from suites.workloads import bert, gpt, resnet50
+from suites.workloads import bert, fragmentation, gpt, resnet50
 from suites.workloads.base import Workload
 
 WORKLOADS: dict[str, Workload] = {}
+# Workloads that ask a question of the machine rather than of a model: run when named, never in the default
+# plan (`headroom run` without --workload runs WORKLOADS).
+PROBES: dict[str, Workload] = {}
 
-for _workload in (resnet50.WORKLOAD, bert.WORKLOAD, gpt.WORKLOAD):
-    if _workload.name in WORKLOADS:
+for _registry, _workload in ((WORKLOADS, resnet50.WORKLOAD), (WORKLOADS, bert.WORKLOAD), (WORKLOADS, gpt.WORKLOAD),
+                             (PROBES, fragmentation.WORKLOAD)):
+    if _workload.name in WORKLOADS or _workload.name in PROBES:
         raise ValueError(f"duplicate workload name {_workload.name!r}")
-    WORKLOADS[_workload.name] = _workload
+    _registry[_workload.name] = _workload
 
 
 # Users' workloads by the name asked for and by their own name (an `hf:` path made absolute).
@@ -30,11 +34,12 @@ def get_workload(name: str) -> Workload:
             loaded = (user.workload if name.startswith("model:") else hf.workload)(name)
             _USER_WORKLOADS[name] = _USER_WORKLOADS.setdefault(loaded.name, loaded)
         return _USER_WORKLOADS[name]
+    known = {**WORKLOADS, **PROBES}
     try:
-        return WORKLOADS[name]
+        return known[name]
     except KeyError:
-        message = f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}"
-        close = difflib.get_close_matches(name, WORKLOADS, n=1)
+        message = f"unknown workload {name!r}; valid: {', '.join(known)}"
+        close = difflib.get_close_matches(name, known, n=1)
         if close:
             message += f"; did you mean {close[0]!r}?"
         raise ValueError(message) from None

@@ -138,6 +138,8 @@ class Traits:
         residual_entry: in a pre-norm model (norm, then attention or MLP, then the residual add), the
             module whose output starts the residual stream, from where sequence parallelism shards it;
             None where the model is not pre-norm.
+        variable_length: it trains on a sequence length drawn per step (the fragmentation workload):
+            measured and projected over its loop of lengths (suites/workloads/fragmentation.py).
     """
 
     convolutional: bool = False
@@ -149,6 +151,7 @@ class Traits:
     mlp: MlpRoles | None = None
     bottleneck: ConvRoles | None = None
     residual_entry: str | None = None
+    variable_length: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,12 @@ class Workload:
         return dataclasses.replace(size, seq_len=size.seq_len - gen_len, gen_len=gen_len)
 
     def tokens_per_sample(self, size: SizeSpec) -> int | None:
-        """Tokens one sample carries (language models), None for vision."""
+        """Tokens one sample carries (language models; a variable-length loop's mean), None for vision."""
+        if self.traits.variable_length and size.seq_len:
+            from suites.workloads.fragmentation import step_lengths  # it builds on this module
+
+            lengths = step_lengths(size)
+            return round(sum(lengths) / len(lengths))
         return size.seq_len
 
 
