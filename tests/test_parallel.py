@@ -221,6 +221,21 @@ def test_two_pipelines_side_by_side_sharded_by_fsdp_give_the_single_process_loss
     assert result["local_params"] * 2 == sum(p.numel() for module in first for p in module.parameters())
 
 
+def test_pipeline_stages_of_tensor_parallel_ranks_give_the_single_process_losses(single, tmp_path):
+    # 4 ranks: 2 stages, each a group of 2 tensor-parallel ranks on the whole batch (stage-major mesh).
+    result = _worker("tensor-parallel:t=2+pipeline-parallel:p=2", tmp_path,
+                     [*TORCHRUN, "--standalone", "--nproc-per-node=4"])
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    from harness.project.tensor_parallel import keep_rank_part
+    from suites.workloads import get_workload
+
+    workload = get_workload("gpt")
+    model = workload.build(workload.size("smoke"))
+    keep_rank_part(model, workload, 2)  # what one tensor-parallel rank holds of each block
+    first = [model.blocks[0], model.wte, model.wpe]  # rank 0: the first stage
+    assert result["local_params"] == sum(p.numel() for module in first for p in module.parameters())
+
+
 @pytest.mark.parametrize("stack", ["pipeline-parallel", "pipeline-parallel:m=2:schedule=gpipe"])
 def test_two_pipeline_stages_give_the_single_process_losses(stack, single, tmp_path):
     result = _worker(stack, tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])

@@ -137,17 +137,35 @@ class PipelineRunner:
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
 
 
+def _tensor_parallel(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def _apply(run: Run, options: PipelineOptions) -> None:
     from suites.techniques.parallel import distributed, rank_device
 
     dist = distributed()
     world, pipelining = dist.get_world_size(), run.workload.pipelining
-    stages = options.stages or world
+    # Tensor parallelism, applied first, left a (groups, tp) mesh: each stage is then a tensor-parallel group.
+    tensor = run.mesh["tp"].size() if run.mesh is not None and "tp" in (run.mesh.mesh_dim_names or ()) else 1
+    stages = options.stages or world // tensor
     if pipelining is None:
         raise Unsupported(f"{run.workload.name} does not say how to cut it into stages (Workload.pipelining)")
+    if tensor == 1 and _tensor_parallel(run.model):
+        raise Unsupported("tensor-parallel took every rank, leaving none for other stages: give both degrees, "
+                          "tensor-parallel:t=T+pipeline-parallel:p=P with T x P the world size")
+    if tensor > 1 and stages * tensor != world:
+        raise Unsupported(f"{stages} stages of {tensor} tensor-parallel ranks on {world} ranks: pipelines of "
+                          "tensor-parallel stages side by side (3D) are not built; give p x t = the world size")
+    if tensor > 1 and run.sequence_parallel:
+        raise Unsupported("sequence-parallel inside pipeline stages is not built: drop one of them")
     if world % stages:
         raise Unsupported(f"{world} ranks do not split into pipelines of {stages} stages")
-    pipelines = world // stages  # side by side, each on its data-parallel slice (a sharding technique splits it)
+    # Side by side, each on its data-parallel slice (a sharding technique splits it); a stage's
+    # tensor-parallel ranks all take the pipeline's batch.
+    pipelines = world // stages // tensor
     if run.batch_size % pipelines:
         raise Unsupported(f"the global batch {run.batch_size} does not split over {pipelines} pipelines")
     batch = run.batch_size // pipelines
@@ -163,7 +181,11 @@ def _apply(run: Run, options: PipelineOptions) -> None:
                           "(pipeline-parallel:m=N sets their number)")
     group, line = None, 0
     index = dist.get_rank()
-    if pipelines > 1:
+    if tensor > 1:
+        # Stage-major over the tensor-parallel ranks: a stage's group is the outer dimension's.
+        outer = run.mesh["dp"]
+        group, index, line = outer.get_group(), outer.get_local_rank(), run.mesh["tp"].get_local_rank()
+    elif pipelines > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         # Stage-major: the ranks of one stage (one per pipeline) are consecutive, the data-parallel
@@ -178,16 +200,20 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     run.placed = True
     # Each pipeline's first and last stage sum a tied embedding's gradients; every rank calls new_group for
     # every such pair, even those outside it (torch.distributed's rule).
-    tied = [dist.new_group([j, (stages - 1) * pipelines + j]) for j in range(pipelines)] if stages > 1 else []
+    inner = pipelines * tensor  # the ranks of one stage, consecutive
+    tied = [dist.new_group([j, (stages - 1) * inner + j]) for j in range(inner)] if stages > 1 else []
     run.pipeline = PipelineRunner(run, index, stages, options, tied[line] if tied and index in (0, stages - 1)
                                   else None, group, pipelines)
     # Activations go on to the next stage, their gradients back to the previous one (the fp32 residual stream).
     activation = batch * (run.size.seq_len or 0) * run.size.config.get("n_embd", 0) * 4
-    run.comm_bytes_per_step = activation * ((index < stages - 1) + (index > 0))
+    # Tensor parallelism counted its all-reduces for every block on a 1/stages slice of the batch: a stage
+    # holds 1/stages of the blocks on the whole batch, the same bytes.
+    run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + activation * ((index < stages - 1) + (index > 0))
     run.notes.append(f"stage {index + 1} of {stages} ({options.schedule.upper()}, {micro} micro-batches of "
                      f"{batch // micro}; torch.distributed.pipelining): its blocks"
                      + (", the embeddings" if index == 0 else "") + (", the head" if index == stages - 1 else "")
-                     + (f"; {pipelines} pipelines side by side" if pipelines > 1 else ""))
+                     + (f"; {pipelines} pipelines side by side" if pipelines > 1 else "")
+                     + (f"; each stage {tensor} tensor-parallel ranks" if tensor > 1 else ""))
 
 
 def _technique(options: PipelineOptions) -> Technique:
