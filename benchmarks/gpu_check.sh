@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, under 8 minutes by construction (each step has its own limit; they sum to
-# about 7.9 min): a quick calibration (60 s), measured cells with their projected twins for each workload
-# (3 x 50 s: peak, reserved and step-time errors), measured decode of served decoders (70 s), the allocator
-# settings as techniques (50 s), the fragmentation workload under each setting (45 s), the projected largest
-# batch measured (50 s: it must run, 10% more must not), then every test marked `gpu` (50 s).
+# 475 s, 7.9 min): a quick calibration (50 s), measured cells with their projected twins for each workload
+# (50 + 45 + 45 s: peak, reserved and step-time errors), the allocator settings as techniques (50 s), the
+# fragmentation workload under each setting (45 s), measured decode of served decoders (65 s), FSDP and
+# its CPU offload on one GPU (35 s), the projected largest batch measured (45 s: it must run, 10% more
+# must not), then every test marked `gpu` (45 s).
 # Here:   nox -s gpu-check   (or: bash benchmarks/gpu_vendor.sh, then on the device machine)
 # Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=540)
 # $OUT gets two files (the device returns at most 8): summary.txt, written as it goes, and
@@ -28,14 +29,15 @@ $PY -m harness.cli env 2>&1 | tee "$WORK/env.txt" | head -20
 # The device's achievable matmul rates, bandwidth and per-op costs, as a profile overlay (kept in the
 # tarball; copy it into a --profiles folder to project this GPU with it).
 step "calibrate"
-timeout -k 5 60 $PY -m harness.cli calibrate --quick --out "$WORK/calibration" 2>&1 | tee -a "$OUT/summary.txt" | tail -3
+timeout -k 5 50 $PY -m harness.cli calibrate --quick --out "$WORK/calibration" 2>&1 | tee -a "$OUT/summary.txt" | tail -3
 
 # One run per workload, each under its own limit: a run attaches the twins' errors when it ends, so a
 # limit that cuts one run short loses only that workload's errors.
 for workload in gpt bert resnet50; do
   step "measured cells and projected twins: $workload"
   generation=(); [ "$workload" = gpt ] && generation=(--gen-len 32)  # gpt's inference is a generation
-  timeout -k 5 50 $PY -m harness.cli run --scale standard --workload "$workload" "${generation[@]}" \
+  limit=45; [ "$workload" = gpt ] && limit=50  # its served cells also decode
+  timeout -k 5 $limit $PY -m harness.cli run --scale standard --workload "$workload" "${generation[@]}" \
     --technique baseline,amp-bf16,checkpointing --steps 10 --repeats 2 --warmup 2 --cell-timeout 30 \
     --out "$WORK/bench-$workload" > "$WORK/run-$workload.txt" 2>&1
   echo "exit $?" | tee -a "$OUT/summary.txt"
@@ -58,7 +60,7 @@ echo "exit $?" | tee -a "$OUT/summary.txt"
 # Serving: measured decode (tokens/s, bandwidth use) of gpt2-124m and a 7B shape (random weights) in bf16,
 # int8 and int4 weights, eager and compiled, each with its projected twin (issue: LLM serving, point 7).
 step "serving: gpt2-124m and gpt-7b decode"
-timeout -k 5 70 $PY -m harness.cli run --workload gpt --size gpt2-124m,gpt-7b --mode infer --batch-size 1 \
+timeout -k 5 65 $PY -m harness.cli run --workload gpt --size gpt2-124m,gpt-7b --mode infer --batch-size 1 \
   --prompt-len 512 --gen-len 64 --steps 10 --repeats 1 --warmup 1 --cell-timeout 30 \
   --technique bf16-weights,bf16-weights+compile,bf16-weights+group-quant+compile,bf16-weights+group-quant-int4+compile \
   --out "$WORK/bench-serving" > "$WORK/run-serving.txt" 2>&1
@@ -71,18 +73,26 @@ columns = ["size", "technique", "source", "status", "decode_ms_per_token_p50", "
            "decode_bandwidth_util", "ttft_ms", "kv_cache_bytes", "params_bytes"]
 print(frame[frame["gpu"] != "cpu"][columns].to_string(index=False))
 PYEOF
+# What one GPU can run of the sharding techniques (FSDP2 over one rank, its CPU offload, bf16 gathers), each
+# against its projection: the communication-free part of the parallel issue's checks.
+step "sharding on one GPU: fsdp, cpu-offload, fsdp:mp=bf16 at world size 1"
+timeout -k 5 35 $PY -m harness.cli run --workload gpt --size gpt2-124m --mode train --world-size 1 \
+  --technique fsdp+amp-bf16,cpu-offload+amp-bf16,fsdp:mp=bf16+amp-bf16 --steps 10 --repeats 1 --warmup 1 \
+  --cell-timeout 11 --out "$WORK/bench-sharding" > "$WORK/run-sharding.txt" 2>&1
+echo "exit $?" | tee -a "$OUT/summary.txt"
+
 $PY benchmarks/twin_errors.py "$WORK"/bench-* 2>&1 | tee -a "$OUT/summary.txt"
 # The twins join a copy of the ledger (merge it here with `headroom ledger add` on the unpacked folders).
 cp harness/data/ledger.csv "$WORK/ledger.csv"
 $PY -m harness.cli ledger add "$WORK"/bench-* --ledger "$WORK/ledger.csv" 2>&1 | tee -a "$OUT/summary.txt"
 
 step "fit: the projected largest batch against the device"
-timeout -k 5 50 $PY benchmarks/fit_check.py > "$WORK/fit-check.txt" 2>&1
+timeout -k 5 45 $PY benchmarks/fit_check.py > "$WORK/fit-check.txt" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
 grep -v "^W[0-9]" "$WORK/fit-check.txt" | tail -8 | tee -a "$OUT/summary.txt"
 
 step "tests that need CUDA (marked gpu)"
-timeout -k 5 50 $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/ \
+timeout -k 5 45 $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/ \
   > "$WORK/pytest.txt" 2>&1
 echo "exit $?" | tee -a "$OUT/summary.txt"
 tail -25 "$WORK/pytest.txt" | tee -a "$OUT/summary.txt"
