@@ -128,8 +128,8 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
     values: dict = {}
     if resolved is not None:
         # A variable-length loop's rows count its mean length (tokens/s, cost per token).
-        values.update(seq_len=resolved.workload.tokens_per_sample(resolved.spec), image_size=resolved.spec.image_size,
-                      gen_len=resolved.spec.gen_len,
+        values.update(seq_len=resolved.workload.tokens_per_sample(resolved.spec, resolved.mode),
+                      image_size=resolved.spec.image_size, gen_len=resolved.spec.gen_len,
                       accuracy_metric=resolved.workload.accuracy_metric or None)
         values["device_name"] = outcome.device_name or resolved.profile.name
     if outcome.memory is not None:
@@ -180,7 +180,7 @@ def _speed_columns(resolved: ResolvedCell, outcome: Outcome, flops_per_sample: f
     """Speed as measured or projected, and what derives from it (tokens/s, MFU, cost)."""
     speed = outcome.speed
     # A generation's tokens are the ones it generates (tokens/s and USD per million generated tokens).
-    tokens = resolved.spec.gen_len or resolved.workload.tokens_per_sample(resolved.spec)
+    tokens = resolved.spec.gen_len or resolved.workload.tokens_per_sample(resolved.spec, resolved.mode)
     # N ranks are N GPUs: utilisation and cost are per GPU, at the global throughput's Nth.
     world = resolved.cell.world_size
     per_gpu = speed.throughput_samples_s / world if speed.throughput_samples_s is not None else None

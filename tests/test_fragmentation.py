@@ -83,6 +83,8 @@ def test_projected_over_its_loop_the_native_allocator_reserves_more_than_for_one
                             source="projected").resolve(PROFILES), loop, "test")
     mean = sum(step_lengths(get_workload("fragmentation").size("gpt2-124m"))) / 8
     assert record.seq_len == round(mean) and record.tokens_per_s == pytest.approx(record.throughput_samples_s * 744)
+    infer = Cell("fragmentation", "gpt2-124m", "infer", "amp-bf16", "h100-sxm", 4, source="projected").resolve(PROFILES)
+    assert to_record(infer, project_outcome(infer), "test").seq_len == 1024  # one forward at the whole length
 
 
 def test_measured_it_runs_each_length_once_before_the_timed_steps_cycle_through_them():
@@ -99,7 +101,7 @@ def test_measured_it_runs_each_length_once_before_the_timed_steps_cycle_through_
     lengths = step_lengths(cell.spec)
     assert outcome.status == "ok" and seen[:len(lengths)] == lengths
     assert seen[len(lengths)] == max(lengths)  # the step memory is read on
-    assert seen[-10:] == (lengths * 2)[:10]  # the timed steps cycle through the loop
+    assert len(seen) == len(lengths) + 1 + 16 and seen[-16:] == lengths * 2  # 10 timed steps: two whole loops
     assert any("variable-length loop" in note for note in outcome.notes)
 
 

@@ -81,6 +81,15 @@ def test_fsdp_gathering_in_bf16_keeps_fp32_states_sends_less_and_drops_autocasts
     assert dropped == pytest.approx(2 * cast.memory.param_count, rel=0.1)
     assert gathered.speed.step_time_ms_p50 < cast.speed.step_time_ms_p50  # no cast kernels per op
     assert "bf16 gathers" in gathered.notes[0]
+    # ZeRO-2 keeps the gathered bf16 copy whole from forward to backward (beside its fp32 shard), not fp32.
+    zero2_cast, zero2 = projected("fsdp-zero2+amp-bf16"), projected("fsdp-zero2:mp=bf16+amp-bf16")
+    n = cast.memory.param_count
+    whole_fp32, whole_bf16_and_shard = 4 * n, 2 * n + 4 * n / 8
+    assert zero2_cast.memory.peak_allocated - zero2.memory.peak_allocated == pytest.approx(
+        whole_fp32 - whole_bf16_and_shard + dropped, rel=0.05)
+    assert projected("fsdp:mp=bf16").precision == "bf16"  # without autocast every op runs in bf16
+    refused = projected("fsdp:mp=bf16+lora+amp-bf16")  # its restored fp32 states would be wrong
+    assert refused.status == "unsupported" and "with lora it is not yet" in refused.reason
 
 
 def test_cpu_offload_without_a_known_host_link_has_no_step_time_and_says_why():

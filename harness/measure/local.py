@@ -116,7 +116,7 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
             for each in batches:  # the whole loop once: every length's blocks go through the cache
                 step(each)
             run.notes.append(f"variable-length loop: sequence lengths {', '.join(str(s.seq_len) for s in loop)}, "
-                             f"one per step (timed steps cycle through them); memory read on the longest step, "
+                             f"one per step (timed steps run whole loops); memory read on the longest step, "
                              f"reserved over the whole loop")
         # fp16 loss scaling starts at 2**16 and skips the optimizer step while gradients overflow; warm
         # up until a step was really taken, or the optimizer state (and its memory) would be missing.
@@ -204,9 +204,12 @@ def _timed(step: Step, batch, settings: MeasureSettings, device: torch.device):
     if step.generates:
         generation = time_generation(step, batch["input_ids"], settings.steps, settings.repeats, device)
         return generation.generations, generation
-    if isinstance(batch, list):  # a variable-length loop: each timed step takes the loop's next batch
+    if isinstance(batch, list):
+        # A variable-length loop: each timed step takes the loop's next batch, and every repeat runs whole
+        # loops from its start, so repeats compare like with like.
         loop = itertools.cycle(batch)
-        return time_steps(lambda: step(next(loop)), settings.steps, settings.repeats, device), None
+        steps = -(-settings.steps // len(batch)) * len(batch)
+        return time_steps(lambda: step(next(loop)), steps, settings.repeats, device), None
     return time_steps(lambda: step(batch), settings.steps, settings.repeats, device), None
 
 

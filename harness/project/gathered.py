@@ -20,6 +20,8 @@ def gathered_in(dtype: str) -> Technique:
         for parameter in run.model.parameters():
             if parameter.is_floating_point():
                 parameter.data = parameter.data.to(DTYPES[dtype])
+        if run.precision == "fp32":  # no autocast: every op computes in the gathered dtype
+            run.precision = dtype
         run.notes.append(f"traced with the parameters in {dtype}, as FSDP2 gathers them; fp32 shards, gradients "
                          "and optimizer state restored per rank")
 

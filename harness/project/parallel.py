@@ -62,6 +62,9 @@ STREAM_BYTES = {"bf16": 2, "fp16": 2}
 GATHER_BYTES = {"bf16": 2}
 MASTER_BYTES = 4
 STATES = ("params", "grads", "optimizer")
+# Techniques whose weights or optimizer state are not the fp32 weights and AdamW moments that the bf16
+# gathers' fp32 restoration assumes (frozen 16-bit or 4-bit bases, low-bit or offloaded moments).
+NOT_WITH_GATHERS = {"lora", "qlora", "optim-8bit", "optim-4bit", "optim-offload", "bf16-weights", "fp16-weights"}
 
 
 @dataclass(frozen=True)
@@ -185,9 +188,17 @@ def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
         raise Unsupported(f"the global batch {cell.batch_size} does not split into {layout.dp} data-parallel ranks x "
                           f"{layout.micro_batches} micro-batches; give a multiple of {slices}")
     kept = tuple(t for t in cell.stack.techniques if t.phase not in (Phase.PARALLEL, Phase.DATA_PARALLEL))
+    if layout.gather_dtype:
+        blocking = sorted(_base(t) for t in kept if _base(t) in NOT_WITH_GATHERS or t.phase == Phase.COMPRESS)
+        if blocking:
+            raise Unsupported(f"{layout.data_technique}:mp={layout.gather_dtype} is projected over fp32 weights "
+                              f"stepped by a full-precision optimizer; with {', '.join(blocking)} it is not yet "
+                              f"(measure it, or project {layout.data_technique} without mp)")
+    built = tuple(t for t in kept if t.phase <= Phase.COMPRESS)  # the weights as FSDP2 would shard them
     stack = Stack(((rank_part(layout.tp),) if layout.tp > 1 else ())
-                  + ((rank_experts(layout.ep),) if layout.ep > 1 else ())
-                  + ((gathered_in(layout.gather_dtype),) if layout.gather_dtype else ()) + kept)
+                  + ((rank_experts(layout.ep),) if layout.ep > 1 else ()) + built
+                  + ((gathered_in(layout.gather_dtype),) if layout.gather_dtype else ())
+                  + tuple(t for t in kept if t not in built))
     spec = cell.spec
     if layout.pp > 1:
         depth = cell.workload.depth(spec)
@@ -203,13 +214,15 @@ def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
 
 def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[str, int]],
                 states: tuple[int, int, int], block_params: int, block_grads: int, in_flight: int = 0,
-                unsharded: tuple[int, int, int] = (0, 0, 0)) -> RankMemory:
+                unsharded: tuple[int, int, int] = (0, 0, 0), gathered_share: float = 1.0) -> RankMemory:
     """Per-rank memory under the data-parallel `technique` (None: none) on `dp` ranks, from one rank's
     unsharded trace: each phase's peak with its parameters, gradients and optimizer state kept as the
     technique keeps them, what it adds (DDP's buckets, FSDP's gathered blocks), the optimizer step's
     temporaries shrunk with its shard, and `in_flight` bytes of other micro-batches' activations held
     through the forward and backward (a pipeline's first stage). `unsharded` are the parameter, gradient
-    and optimizer bytes no data-parallel rank shares (an expert-parallel rank's own experts), kept whole."""
+    and optimizer bytes no data-parallel rank shares (an expert-parallel rank's own experts), kept whole.
+    `gathered_share`: the gathered parameters' bytes per byte of the stored ones (1/2 for bf16 gathers of fp32
+    shards), which is what `fsdp-zero2` keeps whole from the forward to the backward, beside its shard."""
     params, grads, optimizer = states
     own = dict(zip(("params", "grads", "optimizer"), unsharded, strict=True))
 
@@ -238,7 +251,8 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
     peaks = []
     for phase, at in phase_at_peak.items():
         if technique == "fsdp-zero2" and phase in ("forward", "backward"):
-            kept_params = params  # whole, at the forward's end and through the backward
+            # Whole, at the forward's end and through the backward (plus the shard when gathered in another dtype).
+            kept_params = params if gathered_share == 1.0 else round(params * gathered_share) + kept[0]
         else:
             kept_params = kept[0]
         temporaries = at.get("temporaries", 0)
@@ -315,8 +329,9 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     master = MASTER_BYTES / GATHER_BYTES[layout.gather_dtype] if layout.gather_dtype else 1.0
     if layout.gather_dtype:
         block_grads += round(block_grads * master)
-    phase_at_peak = {phase: {k: round(v * master) if k in STATES else v for k, v in at.items()}
-                     for phase, at in trace.phase_at_peak.items()}
+    # The optimizer step's scratch (foreach AdamW's parameter-sized temporary) is fp32 too.
+    phase_at_peak = {phase: {k: round(v * master) if k in STATES or (phase, k) == ("optimizer", "temporaries")
+                             else v for k, v in at.items()} for phase, at in trace.phase_at_peak.items()}
     reduced_grads = round(memory.grads * master)  # what the gradients' reduce-scatter carries
     layers = local.workload.depth(local.spec) or 0
     recomputed = any(_base(t).startswith("checkpointing") for t in cell.stack.techniques)
@@ -334,7 +349,8 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         moe, buffer, replicated = expert_figures(local.workload, cell.spec, layout.ep, tokens)
         mine = max(0, trace.param_count - replicated) / max(1, trace.param_count)  # this rank's experts' share
         own = tuple(round(size * mine) for size in states)
-    rank = rank_memory(technique, layout.dp, phase_at_peak, states, block, block_grads, in_flight, own)
+    rank = rank_memory(technique, layout.dp, phase_at_peak, states, block, block_grads, in_flight, own,
+                       gathered_share=1 / master)
     # What the allocator model adds to the trace's live bytes (workspaces), and its reserve, carry over.
     peak = memory.peak_allocated - trace.peak_bytes + rank.peak
     reserved = (memory.chosen_reserved or memory.peak_allocated) - memory.peak_allocated + peak

@@ -1,5 +1,6 @@
 """Projection of a workload trained on variable lengths (the `fragmentation` workload): the peak is the
-longest step's, the reserved peak is the loop's, and the step time is the loop's mean.
+longest step's, the reserved peak is the loop's, and the step time is the loop's median step (as the
+measured p50 over whole loops is).
 
 The longest step is projected as any cell is (traced, depth-extrapolated, allocator model). The reserved
 memory is not: what fragmentation costs comes from steps of other lengths freeing blocks that the next
@@ -34,7 +35,7 @@ def project_loop(cell: ResolvedCell, loop: list[SizeSpec], project):
     events = loop_events(traces)
     lengths = ", ".join(str(size.seq_len) for size in loop)
     notes = [f"variable-length loop: sequence lengths {lengths}, one per step; peak allocated from the longest "
-             f"({longest.seq_len} tokens), step time the loop's mean"]
+             f"({longest.seq_len} tokens), step time the loop's median step"]
     if profile.vendor != "cpu":
         # The BLAS workspaces sit in segments of their own, beside the loop's blocks.
         results = {s: replay_fragmentation(events, s, room, "loop") for s in SETTINGS}
@@ -48,9 +49,12 @@ def project_loop(cell: ResolvedCell, loop: list[SizeSpec], project):
     estimates = [estimate(trace, profile, tf32_matmul=trace.tf32) for trace in traces]
     time = None
     if all(estimates):
-        time = TimeEstimate(**{name: statistics.fmean(getattr(e, name) for e in estimates)
-                               for name in ("step_s", "compute_s", "memory_s", "launch_s", "issue_s")},
+        # The loop's median step, as the measured p50 over whole loops is; the parts are means.
+        time = TimeEstimate(step_s=statistics.median(e.step_s for e in estimates),
+                            **{name: statistics.fmean(getattr(e, name) for e in estimates)
+                               for name in ("compute_s", "memory_s", "launch_s", "issue_s")},
                             notes=estimates[0].notes, fitted=estimates[0].fitted)
+        notes[0] += f" (its mean {statistics.fmean(e.step_s for e in estimates) * 1e3:,.2f} ms)"
     memory.notes[:0] = notes
     projection.time = time
     return projection

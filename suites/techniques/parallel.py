@@ -59,6 +59,10 @@ def _splits_batch(run: Run, dist, sharded: bool) -> None:
                           "headroom project projects it")
     world, index = dist.get_world_size(), None
     two_d = run.mesh is not None and run.mesh.ndim == 2
+    if run.pipeline is not None and two_d and "tp" in run.mesh.mesh_dim_names:
+        raise Unsupported("data parallelism over pipelines of tensor-parallel stages (3D) is not built under "
+                          "torchrun: measure tensor-parallel:t=T+pipeline-parallel:p=P on T x P ranks; "
+                          "headroom project projects all three")
     if any(isinstance(p, DTensor) for p in run.model.parameters()) and not two_d:
         raise Unsupported("tensor-parallel takes every rank here, leaving none to split the batch over: give it "
                           "groups (tensor-parallel:t=N with N below the world size)")
@@ -127,6 +131,8 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
         # Shards stay fp32 (the optimizer steps them); each block is all-gathered in `mp` and computes in
         # it; its gradients are reduce-scattered in fp32, as torchtitan's default policy does.
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=GATHER_DTYPES[mp], reduce_dtype=torch.float32)
+        if run.precision == "fp32":  # no autocast: every op computes in the gathered dtype
+            run.precision = mp
     blocks = [block for container in run.workload.block_lists(run.model) for block in container]
     for block in blocks:  # one all-gather per block: only one block's parameters are whole at a time
         fully_shard(block, **options)
@@ -245,7 +251,8 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
                      f"projections row-parallel and all-reduced; embeddings and norms replicated"
-                     + (f"; {groups} such groups on a 2-D (dp, tp) mesh" if groups > 1 else "")
+                     + (f"; {groups} such groups on a 2-D mesh (data-parallel groups, or pipeline stages)"
+                        if groups > 1 else "")
                      + ("; sequence parallel: norms, dropout and the residual stream hold 1/"
                         f"{ranks} of the sequence" if sequence else ""))
 

@@ -156,6 +156,9 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     if tensor == 1 and _tensor_parallel(run.model):
         raise Unsupported("tensor-parallel took every rank, leaving none for other stages: give both degrees, "
                           "tensor-parallel:t=T+pipeline-parallel:p=P with T x P the world size")
+    if tensor > 1 and stages * tensor > world:
+        raise Unsupported(f"{stages} stages of {tensor} tensor-parallel ranks need {stages * tensor} ranks, "
+                          f"not {world}")
     if tensor > 1 and stages * tensor != world:
         raise Unsupported(f"{stages} stages of {tensor} tensor-parallel ranks on {world} ranks: pipelines of "
                           "tensor-parallel stages side by side (3D) are not built; give p x t = the world size")

@@ -234,9 +234,10 @@ class Workload:
         gen_len = max(2, min(DEFAULT_GEN_LEN, size.seq_len // 8))
         return dataclasses.replace(size, seq_len=size.seq_len - gen_len, gen_len=gen_len)
 
-    def tokens_per_sample(self, size: SizeSpec) -> int | None:
-        """Tokens one sample carries (language models; a variable-length loop's mean), None for vision."""
-        if self.traits.variable_length and size.seq_len:
+    def tokens_per_sample(self, size: SizeSpec, mode: str = "train") -> int | None:
+        """Tokens one sample carries (language models; a variable-length training loop's mean), None for
+        vision."""
+        if self.traits.variable_length and size.seq_len and mode == "train":
             from suites.workloads.fragmentation import step_lengths  # it builds on this module
 
             lengths = step_lengths(size)

@@ -4,9 +4,10 @@ the caching allocator for blocks of other sizes than the last one freed.
 
 It is GPT in every other way (model, loss, sizes); what differs is its `Traits.variable_length`, which the
 harness reads: measured, the warm-up runs the whole loop of lengths once (every length's blocks are then
-reserved), memory is read on the longest step and the timed steps cycle through the loop; projected, the
-longest step is traced for the peak, the loop's allocation log is replayed through the allocator model for
-the reserved peak (harness/fragmentation.py), and the step time is the loop's mean. Not in the default
+reserved), memory is read on the longest step and the timed steps run whole loops; projected, the longest
+step is traced for the peak, the loop's allocation log is replayed through the allocator model for the
+reserved peak (harness/fragmentation.py), and the step time is the loop's median step. Tokens and FLOPs per
+sample are the loop's mean. Inference runs one forward at the size's whole length. Not in the default
 plan (it asks an allocator question, not a model one): `headroom run --workload fragmentation --technique
 baseline,alloc-expandable,alloc-async`.
 """
