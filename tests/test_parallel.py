@@ -276,3 +276,8 @@ def test_experts_spread_over_two_ranks_give_the_single_process_losses(tmp_path):
     model = workload.build(workload.size("moe-smoke"))
     experts = sum(p.numel() for block in model.blocks for p in block.mlp.expert_parameters())
     assert result["local_params"] == single["local_params"] - experts // 2 and result["comm"] > 0
+    # FSDP2 shards the rest over the same ranks and leaves each rank's own experts whole.
+    sharded = _worker("expert-parallel+fsdp", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"], "moe-smoke")
+    assert sharded["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    rest = single["local_params"] - experts
+    assert sharded["local_params"] == experts // 2 + rest // 2

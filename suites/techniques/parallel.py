@@ -54,9 +54,10 @@ def _splits_batch(run: Run, dist, sharded: bool) -> None:
     from torch.distributed.tensor import DTensor
 
     if any(getattr(module, "exchange", None) is not None for module in run.model.modules()):
-        raise Unsupported("expert-parallel already trains what is not an expert data-parallel over these ranks; "
-                          "measuring it under DDP or FSDP (experts kept out of their replication) is not built: "
-                          "headroom project projects it")
+        if not sharded:
+            raise Unsupported("expert-parallel already trains what is not an expert data-parallel over these ranks "
+                              "(its gradient hooks average it): DDP over it adds nothing; use fsdp to shard it")
+        return  # expert parallelism set every rank's slice already
     world, index = dist.get_world_size(), None
     two_d = run.mesh is not None and run.mesh.ndim == 2
     if run.pipeline is not None and two_d and "tp" in run.mesh.mesh_dim_names:
@@ -120,11 +121,23 @@ GATHER_DTYPES = {"bf16": torch.bfloat16}
 def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None = None) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    from suites.techniques.expert import moe_layers  # it builds on this module
+
     dist = distributed()
     _splits_batch(run, dist, sharded=True)
     mesh = _mesh(run)
     run.model.to(rank_device(run))
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    # Expert parallelism's experts are this rank's own: FSDP2 shards the rest over the same ranks (its
+    # reduce-scatter averages what the expert technique's hooks averaged; they stay on the experts only).
+    experts = {p for layer in moe_layers(run.model) if getattr(layer, "exchange", None) is not None
+               for p in layer.expert_parameters()}
+    if experts:
+        if "ignored_params" not in inspect.signature(fully_shard).parameters:
+            raise Unsupported("this torch's FSDP2 cannot leave the experts unsharded (fully_shard has no "
+                              "ignored_params): upgrade torch to measure expert-parallel with fsdp")
+        options["ignored_params"] = experts
+        run.optimizer_factory = _grouped(run.optimizer_factory)  # sharded DTensors and plain experts apart
     if offload:
         options["offload_policy"] = CPUOffloadPolicy()
     if mp:
@@ -140,12 +153,16 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
     run.placed = True
     # Global (unsharded) bytes: every parameter is gathered, only trained ones have gradients to scatter.
     gathered = GATHER_DTYPES[mp].itemsize if mp else None  # bytes per element all-gathered under `mp`
-    params = sum(p.numel() * (gathered or p.element_size()) for p in run.model.parameters())
-    trained = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
+    shared = [p for p in run.model.parameters() if p not in experts]
+    params = sum(p.numel() * (gathered or p.element_size()) for p in shared)
+    trained = sum(p.numel() * p.element_size() for p in shared if p.requires_grad)
     world = run.data_parallel
     gathers = 1 if not reshard_after_forward else 2  # forward, and again for the backward unless kept
-    run.comm_bytes_per_step = int((world - 1) / world * (params * gathers + trained))
+    # Expert parallelism's all-to-alls stay; its all-reduce of the rest is now FSDP's gathers and scatters.
+    exchanged = (run.comm_bytes_per_step or 0) - int(2 * (world - 1) / world * trained) if experts else 0
+    run.comm_bytes_per_step = exchanged + int((world - 1) / world * (params * gathers + trained))
     run.notes.append(f"FSDP2 over {world} data-parallel ranks, {len(blocks)} blocks sharded one by one"
+                     + ("; the experts left unsharded (each rank's own)" if experts else "")
                      + ("; parameters kept gathered from forward to backward (ZeRO-2)" if not reshard_after_forward
                         else "") + ("; shards and optimizer step in host memory" if offload else "")
                      + (f"; blocks gathered and computed in {mp}, gradients reduced in fp32" if mp else "")
