@@ -6,11 +6,8 @@ fp32 shards, gradients and optimizer state the rank really keeps.
 
 from __future__ import annotations
 
-import torch
-
 from suites.techniques.base import Phase, Run, Technique
-
-DTYPES = {"bf16": torch.bfloat16}
+from suites.techniques.parallel import GATHER_DTYPES
 
 
 def gathered_in(dtype: str) -> Technique:
@@ -19,7 +16,7 @@ def gathered_in(dtype: str) -> Technique:
     def apply(run: Run) -> None:
         for parameter in run.model.parameters():
             if parameter.is_floating_point():
-                parameter.data = parameter.data.to(DTYPES[dtype])
+                parameter.data = parameter.data.to(GATHER_DTYPES[dtype])
         if run.precision == "fp32":  # no autocast: every op computes in the gathered dtype
             run.precision = dtype
         run.notes.append(f"traced with the parameters in {dtype}, as FSDP2 gathers them; fp32 shards, gradients "

@@ -44,7 +44,7 @@ from suites.techniques import Stack, Unsupported
 from suites.techniques.base import Phase
 from suites.techniques.expert import moe_layers
 from suites.techniques.offload import HostTraffic
-from suites.techniques.parallel import degree
+from suites.techniques.parallel import GATHER_DTYPES, degree, option_value
 from suites.techniques.pipeline import options_of
 
 DATA_PARALLEL = {"data-parallel", "zero1", "fsdp", "fsdp-zero2", "cpu-offload"}
@@ -58,8 +58,7 @@ ACTIVATION_BYTES = {"bf16-mixed": 2, "fp16-mixed": 2, "fp8-mixed": 2, "bf16": 2,
 # 16-bit block outputs): what a pipeline stage sends on, and the gradients of the norms' fp32 outputs that
 # tensor parallelism all-reduces backward.
 STREAM_BYTES = {"bf16": 2, "fp16": 2}
-# FSDP2's MixedPrecisionPolicy: blocks gathered in a 16-bit dtype over fp32 master shards.
-GATHER_BYTES = {"bf16": 2}
+# FSDP2's MixedPrecisionPolicy: blocks gathered in a 16-bit dtype (GATHER_DTYPES) over fp32 master shards.
 MASTER_BYTES = 4
 STATES = ("params", "grads", "optimizer")
 # Techniques whose weights or optimizer state are not the fp32 weights and AdamW moments that the bf16
@@ -154,13 +153,8 @@ def layout_of(cell: ResolvedCell) -> Layout:
     in_flight = pipeline.in_flight(pp, per_pipeline) if pipeline and pp > 1 else 1
     return Layout(dp=dp, tp=tp, pp=pp, micro_batches=micro, in_flight=in_flight,
                   schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data,
-                  gather_dtype=_gather_dtype(parallel.get(data)), sequence_parallel="sequence-parallel" in parallel)
-
-
-def _gather_dtype(technique) -> str | None:
-    """The `mp` option of an FSDP technique (`fsdp:mp=bf16`), None without one."""
-    options = dict(item.partition("=")[::2] for item in technique.id.split(":")[1:]) if technique else {}
-    return options.get("mp")
+                  gather_dtype=option_value(parallel.get(data), "mp"),
+                  sequence_parallel="sequence-parallel" in parallel)
 
 
 def _expert_layout(parallel: dict, world: int) -> Layout:
@@ -175,7 +169,7 @@ def _expert_layout(parallel: dict, world: int) -> Layout:
     if ep != world:
         raise Unsupported(f"expert-parallel:e={ep} on {world} GPUs: give --ep N alone (the world is its ranks)")
     data = next(iter(others), None)
-    return Layout(dp=ep, ep=ep, data_technique=data, gather_dtype=_gather_dtype(parallel.get(data)))
+    return Layout(dp=ep, ep=ep, data_technique=data, gather_dtype=option_value(parallel.get(data), "mp"))
 
 
 def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
@@ -326,7 +320,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     block_grads = round(block * memory.grads / memory.params) if memory.params else 0
     # Under FSDP2's MixedPrecisionPolicy the rank computed in the gathered dtype (as traced) but keeps fp32
     # shards, gradients and optimizer state, and casts a block's gradients to fp32 to reduce-scatter them.
-    master = MASTER_BYTES / GATHER_BYTES[layout.gather_dtype] if layout.gather_dtype else 1.0
+    master = MASTER_BYTES / GATHER_DTYPES[layout.gather_dtype].itemsize if layout.gather_dtype else 1.0
     if layout.gather_dtype:
         block_grads += round(block_grads * master)
     # The optimizer step's scratch (foreach AdamW's parameter-sized temporary) is fp32 too.

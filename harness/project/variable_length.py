@@ -22,14 +22,13 @@ MiB = 2**20
 
 def project_loop(cell: ResolvedCell, loop: list[SizeSpec], project):
     """The Projection of `cell` over its loop of sizes (`project` projects one fixed-length cell)."""
-    from harness.fragmentation import loop_events, replay_fragmentation
+    from harness.fragmentation import loop_events, loop_traces, replay_fragmentation
     from harness.project.allocator import SETTINGS
-    from harness.project.trace import traced
 
     longest = max(loop, key=lambda size: size.seq_len)
     projection = project(cell.with_spec(longest))
     memory = projection.memory
-    traces = [traced(cell.with_spec(size)) for size in loop]
+    traces, _ = loop_traces(cell)  # full depth, at the same seeded lengths as `loop`
     profile = cell.profile.per_device()
     room = memory.capacity - memory.overhead if memory.capacity is not None else None
     events = loop_events(traces)

@@ -395,13 +395,19 @@ def _tensor_parallel(ranks: int | None = None) -> Technique:
         rank_count("tensor-parallel", "t", "ranks per group", given)))
 
 
-def degree(technique: Technique, option: str) -> int | None:
-    """The ranks a configured parallel technique names (`tensor-parallel:t=8` -> 8), None if not given."""
-    for item in technique.id.split(":")[1:]:
+def option_value(technique: Technique | None, option: str) -> str | None:
+    """The value a configured technique's id gives `option` (`fsdp:mp=bf16`, "mp" -> "bf16"), None if not given."""
+    for item in technique.id.split(":")[1:] if technique else ():
         key, _, value = item.partition("=")
         if key == option:
-            return int(value)
+            return value
     return None
+
+
+def degree(technique: Technique, option: str) -> int | None:
+    """The ranks a configured parallel technique names (`tensor-parallel:t=8` -> 8), None if not given."""
+    value = option_value(technique, option)
+    return int(value) if value is not None else None
 
 
 TENSOR_PARALLEL = _tensor_parallel()
