@@ -175,7 +175,9 @@ def test_sequence_parallelism_works_through_tensor_parallelism_and_says_so_alone
     assert alone.status == "unsupported" and "sequence-parallel works through tensor-parallel" in alone.reason
     plain = _projected("tensor-parallel:t=8+fsdp+amp-bf16", 64, size="gpt-70b", batch=8)
     sequence = _projected("tensor-parallel:t=8+sequence-parallel+fsdp+amp-bf16", 64, size="gpt-70b", batch=8)
-    assert sequence.memory.peak_allocated < 0.6 * plain.memory.peak_allocated  # at 8k tokens: over 40% off
+    # At 8k tokens about a third off the peak (134.9 -> 90.8 GiB): the norms' and residual stream's share, which
+    # only sequence parallelism shards (CUDA's fused RMSNorm keeps one fp32 copy of its input, not two).
+    assert sequence.memory.peak_allocated < 0.7 * plain.memory.peak_allocated
     assert "8-way tensor (sequence parallel) x 8-way fsdp" in "; ".join(sequence.notes)
     # Checkpointed, a block keeps only its input: the residual stream, which sequence parallelism shards too.
     kept, sharded = (_projected(f"tensor-parallel:t=8{sp}+fsdp+amp-bf16+checkpointing", 64, size="gpt-70b", batch=8)

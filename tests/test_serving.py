@@ -57,11 +57,11 @@ def test_grouped_query_attention_shares_kv_heads_as_repeating_them_would():
     assert attn.qkv.out_features == (8 + 2 * 2) * 8 and attn.kv_groups == 4
     x = torch.randn(2, 5, 64)
     q, k, v = attn.qkv(x).split((64, 16, 16), dim=2)
-    q = q.view(2, 5, 8, 8).transpose(1, 2)
-    k, v = (t.view(2, 5, 2, 8).transpose(1, 2).repeat_interleave(4, dim=1) for t in (k, v))
     from suites.workloads.gpt import rope
 
-    q, k = rope(q, attn.rope_theta), rope(k, attn.rope_theta)
+    q = rope(q.view(2, 5, 8, 8), attn.rope_theta).transpose(1, 2)  # rope rotates token-major [B, S, H, hd]
+    k = rope(k.view(2, 5, 2, 8), attn.rope_theta).transpose(1, 2).repeat_interleave(4, dim=1)
+    v = v.view(2, 5, 2, 8).transpose(1, 2).repeat_interleave(4, dim=1)
     expected = attn.proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
                          .transpose(1, 2).reshape(2, 5, 64))
     torch.testing.assert_close(attn(x), expected, rtol=1e-5, atol=1e-5)

@@ -17,14 +17,13 @@ The registration is process-wide: while the context is open every thread's CPU a
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-import warnings
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves, tree_map
+
+from harness.project.scoped_kernels import ScopedKernels
 
 # CUDA fp32 policy: floating inputs are cast to fp32, whatever autocast's dtype.
 CUDA_FP32 = (
@@ -196,38 +195,10 @@ def _kernels():
             yield name, torch.library.fallthrough_kernel
 
 
-_lock = threading.Lock()
-_depth = 0
-_library = None
+_scope = ScopedKernels(lambda: ((name, kernel, "AutocastCPU") for name, kernel in _kernels()))
 
 
-@contextlib.contextmanager
 def cuda_autocast_policy():
     """Within this context, CPU autocast casts as CUDA autocast would (see the module docstring).
-
-    Re-entrant: the outermost entry registers the kernels and its exit restores the CPU's (torch
-    before 2.14 refuses a second Python registration of the same kernel)."""
-    global _depth, _library
-    with _lock:
-        if _depth == 0:
-            library = torch.library.Library("aten", "IMPL")
-            try:
-                with warnings.catch_warnings():
-                    # Re-registering an op the CPU list already has warns "Overriding a previously
-                    # registered kernel"; that is the point, and destroying the library restores it.
-                    warnings.simplefilter("ignore")
-                    for name, kernel in _kernels():
-                        library.impl(name, kernel, "AutocastCPU")
-            except BaseException:
-                library._destroy()
-                raise
-            _library = library
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                _library._destroy()
-                _library = None
+    Re-entrant; leaving the outermost one restores the CPU's lists (scoped_kernels.py)."""
+    return _scope()

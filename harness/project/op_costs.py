@@ -63,6 +63,10 @@ def op_class(name: str) -> str:
 
 
 _NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+# Composite ops that run as one kernel on a GPU (fused_norms.py lends it to the trace): costed whole, not
+# decomposed into the CPU's pieces.
+_ONE_KERNEL = {getattr(torch.ops.aten, name) for name in ("_fused_rms_norm", "_fused_rms_norm_backward")
+               if hasattr(torch.ops.aten, name)}
 
 
 # PyTorch's multi_tensor_apply (the foreach kernels of the optimizer step) launches a kernel when a
@@ -148,7 +152,8 @@ class _OpCostMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func._overloadpacket not in flop_registry and func.namespace != "prim":
+        packet = func._overloadpacket
+        if packet not in flop_registry and func.namespace != "prim" and packet not in _ONE_KERNEL:
             # Under inference_mode composite ops (linear, matmul) arrive whole; decompose them, as
             # FlopCounterMode does, so their matmuls are seen and counted.
             with self:
@@ -159,9 +164,9 @@ class _OpCostMode(TorchDispatchMode):
         if func.is_view or func in _NO_KERNEL:
             return out  # views and metadata ops alias their input: no kernel, no bytes moved
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        packet = func._overloadpacket
         name = str(packet)
-        multi_tensor = name.startswith(("aten._foreach_", "aten._fused_"))  # one kernel per chunk of tensors
+        # One kernel per chunk of tensors (foreach ops, the fused optimizers); a fused norm is one kernel.
+        multi_tensor = name.startswith(("aten._foreach_", "aten._fused_")) and packet not in _ONE_KERNEL
         if func.namespace == "prim" or (not outputs and not multi_tensor):
             return out  # metadata queries (device, sizes): no kernel; in-place foreach ops return None
         flops = 0.0

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.cell import ResolvedCell
 from harness.project.autocast_policy import cuda_autocast_policy
+from harness.project.fused_norms import cuda_fused_rms_norm
 from harness.project.lean_import import import_mem_tracker
 from harness.project.op_costs import OpCost, OpShape, _OpCostMode, compiled_optimizer_ops, op_class
 from suites.step import Step
@@ -230,14 +231,16 @@ def attention_backend(profile) -> SDPBackend | None:
 
 @contextlib.contextmanager
 def as_target_runs(profile, run: Run):
-    """Inside, ops run as `profile` would run them: its attention kernel, and under autocast the target's
-    autocast lists, not the host CPU's (ROCm uses CUDA's)."""
+    """Inside, ops run as `profile` would run them: its attention kernel, its fused RMSNorm, and under
+    autocast the target's autocast lists, not the host CPU's (ROCm uses CUDA's)."""
     backend = attention_backend(profile)
     with contextlib.ExitStack() as contexts:
         if backend:
             contexts.enter_context(sdpa_kernel(backend))
-        if profile.vendor in ("nvidia", "amd") and run.autocast_dtype is not None:
-            contexts.enter_context(cuda_autocast_policy())
+        if profile.vendor in ("nvidia", "amd"):
+            contexts.enter_context(cuda_fused_rms_norm())
+            if run.autocast_dtype is not None:
+                contexts.enter_context(cuda_autocast_policy())
         yield
 
 

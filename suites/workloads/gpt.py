@@ -82,15 +82,15 @@ def norm(cfg: GPTConfig) -> nn.Module:
 
 
 def rope(x: torch.Tensor, theta: float, start: int = 0) -> torch.Tensor:
-    """Rotate channel pairs (i, i + hd/2) of x [B, H, S, hd], at positions start..start+S-1, by
+    """Rotate channel pairs (i, i + hd/2) of x [B, S, H, hd], at positions start..start+S-1, by
     position-dependent angles (HF layout).
 
     Computed on the fly rather than cached in a buffer so meta-built models need no re-initialisation.
     """
-    seq, hd = x.shape[-2], x.shape[-1]
+    seq, hd = x.shape[1], x.shape[-1]
     inv_freq = theta ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
     positions = torch.arange(start, start + seq, device=x.device, dtype=torch.float32)
-    angles = positions[:, None] * inv_freq
+    angles = (positions[:, None] * inv_freq)[:, None, :]  # [S, 1, hd/2]: the same angle for every head
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -116,10 +116,16 @@ class CausalSelfAttention(nn.Module):
         kv_heads = self.n_head // self.kv_groups
         size = qkv.shape[-1] // (self.n_head + 2 * kv_heads)
         q, k, v = qkv.split((self.n_head * size, kv_heads * size, kv_heads * size), dim=2)
-        q = q.view(B, S, self.n_head, size).transpose(1, 2)
-        k, v = (t.view(B, S, kv_heads, size).transpose(1, 2) for t in (k, v))
+        q = q.view(B, S, self.n_head, size)
+        k, v = (t.view(B, S, kv_heads, size) for t in (k, v))
         if self.rope_theta is not None:
+            # As Meta's and torchtitan's Llama: rotate token-major ([B, S, H, hd]), so attention writes its
+            # output token-major too and the output projection reads it without a copy; and give v a buffer
+            # of its own, as their separate q/k/v projections do, so the fused output's q and k parts die
+            # after the rotation instead of staying saved (for backward) behind v.
             q, k = rope(q, self.rope_theta, start), rope(k, self.rope_theta, start)
+            v = v.contiguous()
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             y = cache.attend(q, k, v, start)
         else:
