@@ -69,6 +69,8 @@ CASES = (
               "a100-sxm4-80gb", "tensor-parallel:t=8+pipeline-parallel:p=16:m=192+data-parallel+amp-bf16"
               "+checkpointing", 1024, 1536, "hardware_tflops_per_gpu", 138,
               "embedding replicated here (vocabulary-parallel there), fp32 master weights through autocast; "
+              "torch.distributed.pipelining keeps a receive buffer per micro-batch in each direction (192 here, "
+              "fp32 under autocast), Megatron's schedule one per transfer; "
               "GPT-2's 50,257 tokens padded to 51,200 as Megatron pads them (its eq. 3 counts V = 51,200)",
               vocab=51200),
 )

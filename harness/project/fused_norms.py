@@ -35,7 +35,8 @@ def _normalised_dims(normalized_shape) -> tuple[int, ...]:
 
 def _forward(input, normalized_shape, weight=None, eps=None):
     """(output, rstd) as the CUDA kernel returns them: reduce in fp32, output in the input's dtype."""
-    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    # No eps: the machine epsilon of the type it computes in (fp32 for 16-bit inputs), as the kernel takes it.
+    eps = torch.finfo(torch.promote_types(input.dtype, torch.float32)).eps if eps is None else eps
     wide = input.float()
     rstd = torch.rsqrt(wide.pow(2).mean(_normalised_dims(normalized_shape), keepdim=True) + eps)
     output = wide * rstd
