@@ -41,6 +41,26 @@ def allocator_setting() -> str:
     return "native"
 
 
+def with_missed_frees(events: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(time, bytes) deltas of the profiler's allocation events (time, signed bytes, address), with the frees
+    it never recorded put back. The profiler records a free only on a thread it follows: a tensor whose last
+    reference dies on gloo's worker thread (a collective's buffers) is freed unseen, and the running sum
+    would keep it forever. Two live blocks cannot share an address, so an allocation at an address still
+    live in the replay proves the earlier block was freed: it is taken off there."""
+    live: dict[int, int] = {}
+    deltas: list[tuple[int, int]] = []
+    for time, size, address in events:
+        if size > 0:
+            missed = live.pop(address, 0)
+            if missed:
+                deltas.append((time, -missed))
+            live[address] = size
+        else:
+            live.pop(address, None)
+        deltas.append((time, size))
+    return deltas
+
+
 class CpuAllocationProbe:
     """Traces CPU allocations with the profiler while active; reads live/peak bytes afterwards.
 
@@ -74,18 +94,19 @@ class CpuAllocationProbe:
         """Replay allocation events in time order; the peak is taken inside the measured step."""
         from torch._C._profiler import _EventType
 
-        allocations: list[tuple[int, int]] = []
+        events: list[tuple[int, int, int]] = []
         marks: list[tuple[int, str]] = []
         stack = list(self._profiler.profiler.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
             if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-                allocations.append((node.start_time_ns, node.extra_fields.alloc_size))
+                events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
             elif node.tag == _EventType.TorchOp and node.name.startswith(_MARK_PREFIX):
                 marks.append((node.start_time_ns, node.name[len(_MARK_PREFIX):]))
             stack.extend(node.children)
-        allocations.sort(key=lambda item: item[0])
+        events.sort(key=lambda item: item[0])
         marks.sort(key=lambda item: item[0])
+        allocations = with_missed_frees(events)
         times = [t for t, _ in allocations]
         live = list(itertools.accumulate(delta for _, delta in allocations))
 
