@@ -205,7 +205,14 @@ class GPT(nn.Module):
         for block, layer in zip(self.blocks, layers, strict=True):
             x = block(x, layer, start)
         x = self.norm_f(x[:, -1:] if last_only else x)
-        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.wte.weight)
+        return logits(x, self.lm_head, self.wte)
+
+
+def logits(x: torch.Tensor, lm_head: nn.Linear | None, wte: nn.Embedding) -> torch.Tensor:
+    """The output projection. GPT-2 reads the embedding matrix (tied) and leaves the logits in the matmul's
+    dtype, as nanoGPT does; Llama's own head returns them in fp32, as Meta's reference model does (and
+    torchtitan's and HF's losses take them), so its cross-entropy runs in fp32 under autocast too."""
+    return lm_head(x).float() if lm_head is not None else F.linear(x, wte.weight)
 
 
 class Stage(nn.Module):
@@ -241,7 +248,7 @@ class Stage(nn.Module):
         if not self.last:
             return x
         x = self.norm_f(x)
-        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.wte.weight)
+        return logits(x, self.lm_head, self.wte)
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """The embedding matrix where the first and the last stage both hold it (GPT-2's tied head)."""
