@@ -59,6 +59,18 @@ def test_a_pipeline_stage_holds_its_gradients_whole_and_fsdp_its_parameters_gath
     assert _rank("fsdp").peak < fsdp.peak
 
 
+def test_fsdp_gathers_a_moe_blocks_experts_unless_each_rank_holds_its_own():
+    from harness.project.parallel import _largest_block
+    from suites.techniques.expert import moe_layers
+    from suites.workloads import WORKLOADS
+
+    workload = WORKLOADS["gpt"]
+    model = workload.build(workload.sizes["moe-smoke"])
+    experts = sum(p.numel() for p in moe_layers(model)[0].expert_parameters())
+    whole = _largest_block(model, workload, 4, own_experts=False)
+    assert whole - _largest_block(model, workload, 4, own_experts=True) == 4 * experts > 0
+
+
 def test_collectives_are_ring_volumes_and_cross_the_slowest_link():
     assert collective_bytes("data-parallel", 4, 100, 100) == {"backward": 150.0}  # 2 (d - 1) / d
     assert collective_bytes("fsdp", 4, 100, 100) == {"forward": 75.0, "backward": 150.0}  # gathered twice

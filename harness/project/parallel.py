@@ -274,13 +274,13 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
     return RankMemory(*kept, peak=round(max(peaks)), host=host)
 
 
-def _largest_block(model, workload, bytes_per_param: float) -> int:
-    """Bytes of the largest repeated block's parameters (as the rank holds them) for FSDP to gather: its
-    experts are not gathered (each expert-parallel rank holds its own)."""
+def _largest_block(model, workload, bytes_per_param: float, own_experts: bool) -> int:
+    """Bytes of the largest repeated block's parameters (as the rank holds them) for FSDP to gather. With
+    `own_experts` (expert parallelism) its experts are not gathered: each rank holds its own."""
     blocks = [block for container in workload.block_lists(model) for block in container]
     if not blocks:
         raise Unsupported(f"{workload.name} exposes no repeated blocks for FSDP to shard one by one")
-    experts = {id(p) for layer in moe_layers(model) for p in layer.expert_parameters()}
+    experts = {id(p) for layer in moe_layers(model) for p in layer.expert_parameters()} if own_experts else set()
     return round(max(sum(p.numel() for p in block.parameters() if id(p) not in experts) for block in blocks)
                  * bytes_per_param)
 
@@ -329,8 +329,8 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     technique = layout.data_technique
     model, sharded, width = sharded_model_figures(local.workload, local.spec, layout.tp)
     per_param = memory.params / max(1, trace.param_count)
-    block = _largest_block(model, local.workload, per_param) if technique in ("fsdp", "fsdp-zero2",
-                                                                               "cpu-offload") else 0
+    gathers = technique in ("fsdp", "fsdp-zero2", "cpu-offload")
+    block = _largest_block(model, local.workload, per_param, own_experts=layout.ep > 1) if gathers else 0
     block_grads = round(block * memory.grads / memory.params) if memory.params else 0
     # Under FSDP2's MixedPrecisionPolicy the rank computed in the gathered dtype (as traced) but keeps fp32
     # shards, gradients and optimizer state, and casts a block's gradients to fp32 to reduce-scatter them.
