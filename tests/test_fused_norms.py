@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from suites.techniques import Run, parse_stack
 from suites.workloads import WORKLOADS
 
 pytestmark = pytest.mark.skipif(not _has_fused_cuda_kernel(),
-                                reason="this torch has no CUDA _fused_rms_norm kernel to imitate")
+                                reason="this torch has no _fused_rms_norm op to imitate (before 2.8)")
 
 
 def _rms_norm(dtype):
@@ -45,6 +46,23 @@ def test_the_lent_kernel_computes_what_the_composite_does(dtype, tolerance):
     for mine, reference in zip(fused[:3], composite[:3], strict=True):
         assert mine.dtype == reference.dtype
         torch.testing.assert_close(mine.float(), reference.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("shape,dtype", [((16,), torch.float32), ((3, 16), torch.float64)], ids=["1d", "fp64"])
+def test_the_lent_kernel_handles_a_single_row_and_double_precision(shape, dtype):
+    def run():
+        x = torch.arange(1.0, 1.0 + math.prod(shape), dtype=dtype).reshape(shape).requires_grad_()
+        weight = torch.linspace(0.5, 1.5, 16, dtype=dtype).requires_grad_()
+        out = F.rms_norm(x, (16,), weight)  # eps None: the machine epsilon of the accumulation type
+        (out * torch.arange(16.0, dtype=dtype)).sum().backward()
+        return out, x.grad, weight.grad
+
+    composite = run()
+    with cuda_fused_rms_norm():
+        fused = run()
+    for mine, reference in zip(fused, composite, strict=True):
+        assert mine.dtype == reference.dtype == dtype
+        torch.testing.assert_close(mine, reference)
 
 
 def test_autograd_keeps_what_cuda_keeps_and_the_composite_comes_back_on_exit():

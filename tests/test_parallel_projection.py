@@ -47,9 +47,9 @@ def test_a_pipeline_stage_holds_its_gradients_whole_and_fsdp_its_parameters_gath
     # torch.distributed.pipelining accumulates over the micro-batches with FSDP's resharding and gradient sync
     # off until the last backward: from the second micro-batch on, the stage holds every gradient unsharded,
     # and every parameter gathered beside its shard; its receive buffers are kept throughout.
-    def stage(technique):
+    def stage(technique, scheduled=("forward", "backward")):
         return rank_memory(technique, 4, AT_PEAK, (100, 100, 200), block_params=10, block_grads=10,
-                           pipelined=True, buffers=7)
+                           scheduled=scheduled, buffers=7)
 
     plain, fsdp, ddp = stage(None), stage("fsdp"), stage("data-parallel")
     assert plain.peak == max(100 + 100 + 50, 100 + 100 + 200 + 50, 100 + 100 + 200 + 100) + 7
@@ -57,6 +57,10 @@ def test_a_pipeline_stage_holds_its_gradients_whole_and_fsdp_its_parameters_gath
     assert (fsdp.params, fsdp.grads, fsdp.optimizer) == (25, 25, 50)  # between steps: sharded as ever
     assert ddp.peak == plain.peak + 100  # its buckets
     assert _rank("fsdp").peak < fsdp.peak
+    # GPipe runs every forward before any backward: its forwards gather blocks one at a time, no gradients yet.
+    gpipe = rank_memory("fsdp", 4, {"forward": AT_PEAK["forward"]}, (100, 100, 200), block_params=10,
+                        block_grads=10, scheduled=("backward",), buffers=7)
+    assert gpipe.peak == 25 + 50 + 20 + 7
 
 
 def test_fsdp_gathers_a_moe_blocks_experts_unless_each_rank_holds_its_own():

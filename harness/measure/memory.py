@@ -104,7 +104,7 @@ class CpuAllocationProbe:
             elif node.tag == _EventType.TorchOp and node.name.startswith(_MARK_PREFIX):
                 marks.append((node.start_time_ns, node.name[len(_MARK_PREFIX):]))
             stack.extend(node.children)
-        events.sort(key=lambda item: item[0])
+        events.sort(key=lambda item: (item[0], item[1] > 0))  # at one timestamp, frees first
         marks.sort(key=lambda item: item[0])
         allocations = with_missed_frees(events)
         times = [t for t, _ in allocations]

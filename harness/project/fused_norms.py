@@ -24,37 +24,43 @@ from harness.project.scoped_kernels import ScopedKernels
 
 
 def _has_fused_cuda_kernel() -> bool:
-    """Whether this torch's CUDA build would fuse RMSNorm (the kernel arrived in torch 2.8)."""
-    return hasattr(torch.ops.aten, "_fused_rms_norm") and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "aten::_fused_rms_norm", "CUDA")
+    """Whether this torch release fuses RMSNorm on CUDA (the op arrived in torch 2.8). The op's existence is
+    asked, not this build's CUDA kernel: a CPU-only wheel of the same release projects for the same GPUs."""
+    return hasattr(torch.ops.aten, "_fused_rms_norm")
 
 
 def _normalised_dims(normalized_shape) -> tuple[int, ...]:
     return tuple(range(-len(normalized_shape), 0))
 
 
+def _compute_dtype(input) -> torch.dtype:
+    """The kernel's accumulation type: fp32 for 16-bit inputs, the input's own for fp32 and fp64."""
+    return torch.promote_types(input.dtype, torch.float32)
+
+
 def _forward(input, normalized_shape, weight=None, eps=None):
-    """(output, rstd) as the CUDA kernel returns them: reduce in fp32, output in the input's dtype."""
-    # No eps: the machine epsilon of the type it computes in (fp32 for 16-bit inputs), as the kernel takes it.
-    eps = torch.finfo(torch.promote_types(input.dtype, torch.float32)).eps if eps is None else eps
-    wide = input.float()
+    """(output, rstd) as the CUDA kernel returns them: reduce in the accumulation type (and, without eps, its
+    machine epsilon), output in the input's dtype."""
+    wide = input.to(_compute_dtype(input))
+    eps = torch.finfo(wide.dtype).eps if eps is None else eps
     rstd = torch.rsqrt(wide.pow(2).mean(_normalised_dims(normalized_shape), keepdim=True) + eps)
     output = wide * rstd
     if weight is not None:
-        output = output * weight.float()
+        output = output * weight.to(wide.dtype)
     return output.to(input.dtype), rstd
 
 
 def _backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
     """Gradients of input and weight from the input and `rstd` alone (what the fused backward reads)."""
-    dims = _normalised_dims(normalized_shape)
-    normalised = input.float() * rstd
-    grad = grad_out.float() * weight.float() if weight is not None else grad_out.float()
+    dims, wide = _normalised_dims(normalized_shape), _compute_dtype(input)
+    normalised = input.to(wide) * rstd
+    grad = grad_out.to(wide) * weight.to(wide) if weight is not None else grad_out.to(wide)
     grad_input = rstd * (grad - normalised * (grad * normalised).mean(dims, keepdim=True))
     grad_weight = None
     if weight is not None and output_mask[1]:
         batch_dims = tuple(range(input.dim() - len(normalized_shape)))
-        grad_weight = (grad_out.float() * normalised).sum(batch_dims).to(weight.dtype)
+        per_row = grad_out.to(wide) * normalised
+        grad_weight = (per_row.sum(batch_dims) if batch_dims else per_row).to(weight.dtype)
     return (grad_input.to(input.dtype) if output_mask[0] else None), grad_weight
 
 
@@ -66,3 +72,8 @@ def cuda_fused_rms_norm():
     outside, the CPU's composite again. Re-entrant and process-wide (scoped_kernels.py). Where this torch has
     no CUDA kernel to imitate, nothing changes."""
     return _scope() if _has_fused_cuda_kernel() else contextlib.nullcontext()
+
+
+def lent() -> bool:
+    """Whether RMSNorm runs as CUDA's fused kernel right now (inside `cuda_fused_rms_norm`)."""
+    return _scope.active

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from harness.measure.tensors import leaves, nbytes
+from harness.project import fused_norms
 
 
 @dataclass
@@ -63,8 +64,8 @@ def op_class(name: str) -> str:
 
 
 _NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
-# Composite ops that run as one kernel on a GPU (fused_norms.py lends it to the trace): costed whole, not
-# decomposed into the CPU's pieces.
+# Composite ops that run as one kernel on a GPU (fused_norms.py lends it to GPU targets' traces): costed
+# whole there, not decomposed into the CPU's pieces; a CPU target runs the pieces.
 _ONE_KERNEL = {getattr(torch.ops.aten, name) for name in ("_fused_rms_norm", "_fused_rms_norm_backward")
                if hasattr(torch.ops.aten, name)}
 
@@ -153,7 +154,8 @@ class _OpCostMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func._overloadpacket
-        if packet not in flop_registry and func.namespace != "prim" and packet not in _ONE_KERNEL:
+        one_kernel = packet in _ONE_KERNEL and fused_norms.lent()
+        if packet not in flop_registry and func.namespace != "prim" and not one_kernel:
             # Under inference_mode composite ops (linear, matmul) arrive whole; decompose them, as
             # FlopCounterMode does, so their matmuls are seen and counted.
             with self:

@@ -209,7 +209,7 @@ def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
 def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[str, int]],
                 states: tuple[int, int, int], block_params: int, block_grads: int, in_flight: int = 0,
                 unsharded: tuple[int, int, int] = (0, 0, 0), gathered_share: float = 1.0,
-                pipelined: bool = False, buffers: int = 0) -> RankMemory:
+                scheduled: tuple[str, ...] = (), buffers: int = 0) -> RankMemory:
     """Per-rank memory under the data-parallel `technique` (None: none) on `dp` ranks, from one rank's
     unsharded trace: each phase's peak with its parameters, gradients and optimizer state kept as the
     technique keeps them, what it adds (DDP's buckets, FSDP's gathered blocks), the optimizer step's
@@ -219,12 +219,13 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
     `gathered_share`: the gathered parameters' bytes per byte of the stored ones (1/2 for bf16 gathers of fp32
     shards), which is what `fsdp-zero2` keeps whole from the forward to the backward, beside its shard.
 
-    `pipelined`: the rank is a stage of a pipeline schedule over several micro-batches. After the first
-    micro-batch's backward its gradients exist whole (accumulated over the micro-batches, reduced after the
-    last), and torch.distributed.pipelining keeps FSDP's parameters gathered and gradients unsharded until
-    then (`backward_maybe_with_nosync`: reshard_after_backward and gradient sync off), so a sharded stage
-    holds its parameters whole as ZeRO-1 would. `buffers`: the stage's receive buffers, allocated for every
-    micro-batch when the schedule starts and kept (pipelining's `_prepare_forward/backward_infra`)."""
+    `scheduled`: the phases in which the rank, a stage of a pipeline schedule over several micro-batches,
+    runs after a micro-batch's backward (every backward but the first; under 1F1B with more micro-batches
+    than in flight, the steady state's forwards too). Its gradients then exist whole (accumulated over the
+    micro-batches, reduced after the last), and torch.distributed.pipelining keeps FSDP's parameters gathered
+    beside their shard and its gradients unsharded until then (`backward_maybe_with_nosync`:
+    reshard_after_backward and gradient sync off). `buffers`: the stage's receive buffers, allocated for
+    every micro-batch when the schedule starts and kept (pipelining's `_prepare_forward/backward_infra`)."""
     params, grads, optimizer = states
     own = dict(zip(("params", "grads", "optimizer"), unsharded, strict=True))
 
@@ -246,19 +247,20 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
         # every block's are (counted as the whole parameters below); a block's gradients before scattering.
         gathered = {"backward": block_grads}
     sharded_step = technique not in (None, "data-parallel")
-    if pipelined and technique in ("fsdp", "fsdp-zero2", "cpu-offload"):
-        gathered = {}  # gathered once and kept: counted as whole parameters below
+    sharded_whole = technique in ("fsdp", "fsdp-zero2", "cpu-offload")
+    if sharded_whole:
+        # Gathered once and kept: counted as whole parameters below.
+        gathered = {phase: size for phase, size in gathered.items() if phase not in scheduled}
 
     def scaled(at: dict[str, int], category: str, whole: int, keep: int) -> float:
         return at.get(category, 0) * (keep / whole if whole else 1.0)
 
     # Parameters kept gathered (in the gathered dtype) beside their shard: ZeRO-2 from the forward's end
-    # through the backward, a pipeline stage through the whole schedule.
-    kept_whole = technique == "fsdp-zero2" or pipelined and technique in ("fsdp", "cpu-offload")
+    # through the backward, a pipeline stage from its first backward on.
     peaks = []
     for phase, at in phase_at_peak.items():
-        scheduled = pipelined and phase in ("forward", "backward")
-        if kept_whole and phase in ("forward", "backward"):
+        whole = technique == "fsdp-zero2" and phase in ("forward", "backward") or sharded_whole and phase in scheduled
+        if whole:
             kept_params = round(params * gathered_share) + kept[0]
         else:
             kept_params = kept[0]
@@ -266,12 +268,22 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
         if phase == "optimizer" and sharded_step:
             temporaries = 0 if technique == "cpu-offload" else shard(temporaries)  # the step runs on the shard
         held = in_flight if phase in ("forward", "backward") else 0
-        grads_now = grads if scheduled else scaled(at, "grads", grads, kept[1])  # unsharded until the last backward
+        grads_now = grads if phase in scheduled else scaled(at, "grads", grads, kept[1])  # unsharded till the end
         peaks.append(scaled(at, "params", params, kept_params) + grads_now
                      + scaled(at, "optimizer", optimizer, kept[2]) + at.get("activations", 0) + held + temporaries
                      + buckets + gathered.get(phase, 0) + buffers)
     host = sum(sharded) if technique == "cpu-offload" else None
     return RankMemory(*kept, peak=round(max(peaks)), host=host)
+
+
+def scheduled_phases(layout: Layout) -> tuple[str, ...]:
+    """The phases a pipeline stage runs after some micro-batch's backward (see `rank_memory`): none without a
+    pipeline of several micro-batches; the backward; and the forward too where 1F1B's steady state
+    interleaves forwards with backwards (more micro-batches than the first stage holds in flight)."""
+    if layout.pp == 1 or layout.micro_batches == 1:
+        return ()
+    steady = layout.schedule == "1f1b" and layout.micro_batches > layout.in_flight
+    return ("forward", "backward") if steady else ("backward",)
 
 
 def _largest_block(model, workload, bytes_per_param: float, own_experts: bool) -> int:
@@ -364,8 +376,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     directions = 1 if layout.pp == 2 else 2
     buffers = layout.micro_batches * elements * stream * directions if layout.pp > 1 else 0
     rank = rank_memory(technique, layout.dp, phase_at_peak, states, block, block_grads, in_flight, own,
-                       gathered_share=1 / master, pipelined=layout.pp > 1 and layout.micro_batches > 1,
-                       buffers=buffers)
+                       gathered_share=1 / master, scheduled=scheduled_phases(layout), buffers=buffers)
     # What the allocator model adds to the trace's live bytes (workspaces), and its reserve, carry over.
     peak = memory.peak_allocated - trace.peak_bytes + rank.peak
     reserved = (memory.chosen_reserved or memory.peak_allocated) - memory.peak_allocated + peak
@@ -374,10 +385,12 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
              f"global batch {cell.batch_size}"
              + (f", {layers} of {cell.workload.depth(cell.spec)} blocks (a stage with both the embeddings and the "
                 f"head: the first and last stages' extras together)" if layout.pp > 1 else "")
-             + (f"; {layout.in_flight} micro-batches' activations held by the first stage, the stage's gradients "
-                f"whole through the schedule{' (and its parameters gathered)' if block else ''} and "
-                f"{buffers / 2**20:,.0f} MiB of receive buffers for its {layout.micro_batches} micro-batches"
-                if layout.pp > 1 else "")
+             + (f"; {layout.in_flight} micro-batches' activations held by the first stage" if layout.pp > 1 else "")
+             + (f", its gradients whole{' and parameters gathered' if block else ''} in the "
+                f"{' and '.join(scheduled_phases(layout))} after the first micro-batch's backward"
+                if scheduled_phases(layout) else "")
+             + (f", {buffers / 2**20:,.1f} MiB of receive buffers for its {layout.micro_batches} micro-batches"
+                if buffers else "")
              + (f"; sequence parallelism takes {saved / 2**20:,.0f} MiB off the forward's activations" if saved
                 else "")
              + (f"; model states moved as {technique} shards them (largest block {block / 2**20:,.0f} MiB)"

@@ -23,6 +23,11 @@ class ScopedKernels:
         self._depth = 0
         self._library = None
 
+    @property
+    def active(self) -> bool:
+        """Whether a context is open (the kernels are registered)."""
+        return self._depth > 0
+
     @contextlib.contextmanager
     def __call__(self):
         import torch
