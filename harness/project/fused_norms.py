@@ -10,8 +10,8 @@ Inside `cuda_fused_rms_norm()` the CPU gets the fused op and its backward, so au
 
 Why by hand: PyTorch registers `_fused_rms_norm` for CUDA and MPS only (its CPU path is the
 composite), and no API lends a device's kernel to another. The kernels below compute the same
-function in the same dtypes (output in the input's dtype, `rstd` in fp32); a test checks their values
-and gradients against the composite.
+function in the same dtypes (output in the input's dtype, `rstd` in the accumulation type: fp32 for 16-bit
+inputs); a test checks their values and gradients against the composite.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ _scope = ScopedKernels(lambda: (("_fused_rms_norm", _forward, "CPU"), ("_fused_r
 
 def cuda_fused_rms_norm():
     """Within this context, RMSNorm on CPU tensors runs as CUDA's fused kernel (see the module docstring);
-    outside, the CPU's composite again. Re-entrant and process-wide (scoped_kernels.py). Where this torch has
-    no CUDA kernel to imitate, nothing changes."""
+    outside, the CPU's composite again. Re-entrant and process-wide (scoped_kernels.py). Before torch 2.8
+    (no such op) nothing changes."""
     return _scope() if _has_fused_cuda_kernel() else contextlib.nullcontext()
 
 
