@@ -19,14 +19,17 @@ from suites.techniques import Unsupported
 
 PROFILES = load_profiles()
 # One rank's unsharded figures at each phase's peak (a toy trace): 100 bytes of parameters, as many of
-# gradients, 200 of optimizer state; the optimizer step's temporaries are a parameter-sized 100.
+# gradients, 200 of optimizer state; the optimizer step's temporaries are a parameter-sized 100. The backward
+# peaks first at the loss and head (only the root's 20 bytes of gradients made yet), then in the blocks.
 AT_PEAK = {"forward": {"params": 100, "activations": 50},
-           "backward": {"params": 100, "grads": 100, "optimizer": 200, "activations": 50},
+           "backward": {"params": 100, "grads": 20, "optimizer": 200, "activations": 60},
+           "backward_blocks": {"params": 100, "grads": 100, "optimizer": 200, "activations": 50},
            "optimizer": {"params": 100, "grads": 100, "optimizer": 200, "temporaries": 100}}
 
 
 def _rank(technique: str, dp: int = 4):
-    return rank_memory(technique, dp, AT_PEAK, (100, 100, 200), block_params=10, block_grads=10)
+    return rank_memory(technique, dp, AT_PEAK, (100, 100, 200), block_params=10, block_grads=10, root_params=20,
+                       root_grads=20)
 
 
 def test_each_technique_keeps_the_model_states_zero_says_it_does():
@@ -36,11 +39,15 @@ def test_each_technique_keeps_the_model_states_zero_says_it_does():
     # State / 4; its peak is now the backward's (the optimizer step's scratch shrank to 25 with its shard).
     assert (zero1.optimizer, zero1.peak) == (50, 100 + 100 + 50 + 50 + 100)
     assert (zero2.params, zero2.grads, zero2.optimizer) == (25, 25, 50)
-    # Its parameters stay whole (beside their shard) from the forward's end through the backward: its peak here.
-    assert zero2.peak == 100 + 25 + 25 + 50 + 50 + 10
+    # Its parameters stay whole (beside their shard) from the forward's end through the backward, and the
+    # root's gradients whole until the backward ends: its peak is in the blocks' backward.
+    assert zero2.peak == 100 + 25 + (20 + 80 // 4) + 50 + 50 + 10
     assert (fsdp.params, fsdp.grads, fsdp.optimizer) == (25, 25, 50)
-    assert fsdp.peak == max(25 + 50 + 20, 25 + 25 + 50 + 50 + 30, 25 + 25 + 50 + 25)
-    assert offload.peak == 50 + 30 and offload.host == 25 + 25 + 50  # shards in host memory
+    # The root (20) stays gathered through forward and backward; the head's backward has the last block
+    # prefetched, the blocks' backward two blocks gathered and one block's gradients before scattering.
+    assert fsdp.peak == max(25 + 50 + 2 * 10 + 20, 25 + 20 + 50 + 60 + 10 + 20,
+                            25 + (20 + 80 // 4) + 50 + 50 + 2 * 10 + 10 + 20, 25 + 25 + 50 + 25)
+    assert offload.peak == 20 + 50 + 2 * 10 + 10 + 20 and offload.host == 25 + 25 + 50  # shards in host memory
 
 
 def test_a_pipeline_stage_holds_its_gradients_whole_and_fsdp_its_parameters_gathered_through_the_schedule():
@@ -52,8 +59,8 @@ def test_a_pipeline_stage_holds_its_gradients_whole_and_fsdp_its_parameters_gath
                            scheduled=scheduled, buffers=7)
 
     plain, fsdp, ddp = stage(None), stage("fsdp"), stage("data-parallel")
-    assert plain.peak == max(100 + 100 + 50, 100 + 100 + 200 + 50, 100 + 100 + 200 + 100) + 7
-    assert fsdp.peak == max(100 + 25 + 100 + 50, 100 + 25 + 100 + 50 + 50, 25 + 25 + 50 + 25) + 7
+    assert plain.peak == max(100 + 100 + 50, 100 + 100 + 200 + 60, 100 + 100 + 200 + 100) + 7
+    assert fsdp.peak == max(100 + 25 + 100 + 50, 100 + 25 + 100 + 50 + 60, 25 + 25 + 50 + 25) + 7
     assert (fsdp.params, fsdp.grads, fsdp.optimizer) == (25, 25, 50)  # between steps: sharded as ever
     assert ddp.peak == plain.peak + 100  # its buckets
     assert _rank("fsdp").peak < fsdp.peak
@@ -73,6 +80,23 @@ def test_fsdp_gathers_a_moe_blocks_experts_unless_each_rank_holds_its_own():
     experts = sum(p.numel() for p in moe_layers(model)[0].expert_parameters())
     whole = _largest_block(model, workload, 4, own_experts=False)
     assert whole - _largest_block(model, workload, 4, own_experts=True) == 4 * experts > 0
+
+
+def test_the_trace_splits_the_backward_where_the_first_gradient_reaches_a_block():
+    # FSDP gathers blocks only once their backward starts: before that (the loss and the head) the trace's
+    # gradients are the root's alone; from there on the blocks' are added.
+    from harness.project.parallel import _root_bytes
+    from harness.project.trace import traced
+    from suites.workloads import WORKLOADS
+
+    cell = Cell("gpt", "smoke", "train", "baseline", "h100-sxm", 4, "projected").resolve(PROFILES)
+    trace = traced(cell)
+    assert set(trace.phase_peaks) == {"forward", "backward", "backward_blocks", "optimizer"}
+    workload = WORKLOADS["gpt"]
+    model = workload.build(workload.sizes["smoke"])
+    root = _root_bytes(model, workload, 4)  # fp32: embeddings, final norm, head
+    assert trace.phase_at_peak["backward"].get("grads", 0) <= root < trace.grads_bytes
+    assert trace.phase_at_peak["backward_blocks"]["grads"] > trace.phase_at_peak["backward"].get("grads", 0)
 
 
 def test_collectives_are_ring_volumes_and_cross_the_slowest_link():

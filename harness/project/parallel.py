@@ -40,6 +40,7 @@ from harness.project.expert_parallel import all_to_all_bytes, expert_figures, ra
 from harness.project.gathered import gathered_in
 from harness.project.roofline import estimate, host_link_bytes_s, offload_s
 from harness.project.tensor_parallel import rank_part, sharded_model_figures
+from harness.project.trace import BACKWARD_PHASES
 from suites.techniques import Stack, Unsupported
 from suites.techniques.base import Phase
 from suites.techniques.expert import moe_layers
@@ -209,7 +210,8 @@ def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
 def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[str, int]],
                 states: tuple[int, int, int], block_params: int, block_grads: int, in_flight: int = 0,
                 unsharded: tuple[int, int, int] = (0, 0, 0), gathered_share: float = 1.0,
-                scheduled: tuple[str, ...] = (), buffers: int = 0) -> RankMemory:
+                scheduled: tuple[str, ...] = (), buffers: int = 0, root_params: int = 0,
+                root_grads: int = 0) -> RankMemory:
     """Per-rank memory under the data-parallel `technique` (None: none) on `dp` ranks, from one rank's
     unsharded trace: each phase's peak with its parameters, gradients and optimizer state kept as the
     technique keeps them, what it adds (DDP's buckets, FSDP's gathered blocks), the optimizer step's
@@ -225,7 +227,13 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
     micro-batches, reduced after the last), and torch.distributed.pipelining keeps FSDP's parameters gathered
     beside their shard and its gradients unsharded until then (`backward_maybe_with_nosync`:
     reshard_after_backward and gradient sync off). `buffers`: the stage's receive buffers, allocated for
-    every micro-batch when the schedule starts and kept (pipelining's `_prepare_forward/backward_infra`)."""
+    every micro-batch when the schedule starts and kept (pipelining's `_prepare_forward/backward_infra`).
+
+    The backward comes in two phases (trace.BACKWARD_PHASES): the loss and the head, then the repeated blocks.
+    FSDP2 keeps the root module's parameters (`root_params` gathered bytes: embeddings, final norm, head)
+    gathered from the forward to the end of the backward (`fully_shard(model, reshard_after_forward=False)`,
+    its default for the root) and their gradients (`root_grads`) whole until the backward ends; its first
+    backward hook prefetches the last block, and each block's backward gathers the next one."""
     params, grads, optimizer = states
     own = dict(zip(("params", "grads", "optimizer"), unsharded, strict=True))
 
@@ -239,18 +247,20 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
             "zero1": (params, grads, sharded[2]), "fsdp-zero2": sharded, "fsdp": sharded,
             "cpu-offload": (0, 0, 0)}[technique]
     buckets = grads if technique in ("data-parallel", "zero1") else 0  # DDP's flat gradient buckets
-    gathered = {"forward": GATHERED_BLOCKS * block_params, "backward": GATHERED_BLOCKS * block_params + block_grads}
+    gathered = {"forward": GATHERED_BLOCKS * block_params + root_params,
+                "backward": (GATHERED_BLOCKS - 1) * block_params + root_params,
+                "backward_blocks": GATHERED_BLOCKS * block_params + block_grads + root_params}
     if technique in (None, "data-parallel", "zero1"):
         gathered = {}  # replicas: nothing to gather
     elif technique == "fsdp-zero2":
         # Parameters gathered in the forward stay whole until the backward is done: by the forward's end
         # every block's are (counted as the whole parameters below); a block's gradients before scattering.
-        gathered = {"backward": block_grads}
+        gathered = {"backward_blocks": block_grads}
     sharded_step = technique not in (None, "data-parallel")
     sharded_whole = technique in ("fsdp", "fsdp-zero2", "cpu-offload")
     if sharded_whole:
         # Gathered once and kept: counted as whole parameters below.
-        gathered = {phase: size for phase, size in gathered.items() if phase not in scheduled}
+        gathered = {phase: size for phase, size in gathered.items() if _kind(phase) not in scheduled}
 
     def scaled(at: dict[str, int], category: str, whole: int, keep: int) -> float:
         return at.get(category, 0) * (keep / whole if whole else 1.0)
@@ -259,7 +269,8 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
     # through the backward, a pipeline stage from its first backward on.
     peaks = []
     for phase, at in phase_at_peak.items():
-        whole = technique == "fsdp-zero2" and phase in ("forward", "backward") or sharded_whole and phase in scheduled
+        kind = _kind(phase)
+        whole = technique == "fsdp-zero2" and kind in ("forward", "backward") or sharded_whole and kind in scheduled
         if whole:
             kept_params = round(params * gathered_share) + kept[0]
         else:
@@ -267,13 +278,25 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
         temporaries = at.get("temporaries", 0)
         if phase == "optimizer" and sharded_step:
             temporaries = 0 if technique == "cpu-offload" else shard(temporaries)  # the step runs on the shard
-        held = in_flight if phase in ("forward", "backward") else 0
-        grads_now = grads if phase in scheduled else scaled(at, "grads", grads, kept[1])  # unsharded till the end
+        held = in_flight if kind in ("forward", "backward") else 0
+        if kind in scheduled:
+            grads_now = grads  # unsharded till the end
+        elif sharded_whole and kind == "backward":
+            # The root's gradients (the first the backward makes) stay whole, in the gathered dtype, until it ends.
+            root = min(root_grads, at.get("grads", 0))
+            grads_now = root * gathered_share + (at.get("grads", 0) - root) * (kept[1] / grads if grads else 1.0)
+        else:
+            grads_now = scaled(at, "grads", grads, kept[1])
         peaks.append(scaled(at, "params", params, kept_params) + grads_now
                      + scaled(at, "optimizer", optimizer, kept[2]) + at.get("activations", 0) + held + temporaries
                      + buckets + gathered.get(phase, 0) + buffers)
     host = sum(sharded) if technique == "cpu-offload" else None
     return RankMemory(*kept, peak=round(max(peaks)), host=host)
+
+
+def _kind(phase: str) -> str:
+    """A trace's memory phase as a step phase: both backward phases are the backward."""
+    return "backward" if phase in BACKWARD_PHASES else phase
 
 
 def scheduled_phases(layout: Layout) -> tuple[str, ...]:
@@ -295,6 +318,13 @@ def _largest_block(model, workload, bytes_per_param: float, own_experts: bool) -
     experts = {id(p) for layer in moe_layers(model) for p in layer.expert_parameters()} if own_experts else set()
     return round(max(sum(p.numel() for p in block.parameters() if id(p) not in experts) for block in blocks)
                  * bytes_per_param)
+
+
+def _root_bytes(model, workload, bytes_per_param: float) -> int:
+    """Bytes of the parameters outside the repeated blocks (embeddings, final norm, head) as the rank holds
+    them: FSDP's root module, gathered as one."""
+    inside = {id(p) for container in workload.block_lists(model) for block in container for p in block.parameters()}
+    return round(sum(p.numel() for p in model.parameters() if id(p) not in inside) * bytes_per_param)
 
 
 def _activations_per_block(local: ResolvedCell) -> int:
@@ -344,6 +374,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     gathers = technique in ("fsdp", "fsdp-zero2", "cpu-offload")
     block = _largest_block(model, local.workload, per_param, own_experts=layout.ep > 1) if gathers else 0
     block_grads = round(block * memory.grads / memory.params) if memory.params else 0
+    root = _root_bytes(model, local.workload, per_param) if gathers else 0
     # Under FSDP2's MixedPrecisionPolicy the rank computed in the gathered dtype (as traced) but keeps fp32
     # shards, gradients and optimizer state, and casts a block's gradients to fp32 to reduce-scatter them.
     master = MASTER_BYTES / GATHER_DTYPES[layout.gather_dtype].itemsize if layout.gather_dtype else 1.0
@@ -376,7 +407,9 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     directions = 1 if layout.pp == 2 else 2
     buffers = layout.micro_batches * elements * stream * directions if layout.pp > 1 else 0
     rank = rank_memory(technique, layout.dp, phase_at_peak, states, block, block_grads, in_flight, own,
-                       gathered_share=1 / master, scheduled=scheduled_phases(layout), buffers=buffers)
+                       gathered_share=1 / master, scheduled=scheduled_phases(layout), buffers=buffers,
+                       root_params=root, root_grads=round(root * master * memory.grads / memory.params)
+                       if memory.params else 0)
     # What the allocator model adds to the trace's live bytes (workspaces), and its reserve, carry over.
     peak = memory.peak_allocated - trace.peak_bytes + rank.peak
     reserved = (memory.chosen_reserved or memory.peak_allocated) - memory.peak_allocated + peak

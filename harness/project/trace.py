@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from harness.cell import ResolvedCell
 from harness.project.autocast_policy import cuda_autocast_policy
@@ -301,7 +303,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             tracker.peak = tracker.total
             tracker.at_peak = tracker.by_category()
             tracker.phase_peaks, tracker.phase_at_peak = {}, {}
-            with tracker, costs:
+            with tracker, costs, _blocks_backward_marked(run, tracker):
                 step(batch, mark=mark)
                 costs.flush()
             end = tracker.by_category()
@@ -324,6 +326,41 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         first_matmul_at=tuple(first_matmuls.at.values()), measured_from=measured_from,
         param_count=count_parameters(run.model), host=getattr(step.optimizer, "traffic", None),
         untraced=tuple(sorted({m.untraced_compute for m in run.model.modules() if hasattr(m, "untraced_compute")})))
+
+
+# The backward's memory phases: the loss and the model's layers after the repeated blocks (the head), then
+# the blocks and what comes before them. FSDP keeps different things gathered in each (parallel.py).
+BACKWARD_PHASES = ("backward", "backward_blocks")
+
+
+@contextlib.contextmanager
+def _blocks_backward_marked(run: Run, tracker: _RecordingMemTracker):
+    """Switch the tracker's phase from `backward` to `backward_blocks` when the first gradient reaches a
+    repeated block's output (a tensor hook: it adds no node to the graph, so the step traced is unchanged)."""
+
+    # The hooks stay on tensors the graph saves: a weak reference keeps them from tying the tracker (and what
+    # it holds) into reference cycles, whose collection would free tensors at a time the allocation log records.
+    tracker_ref = weakref.ref(tracker)
+
+    def on_gradient(gradient):
+        tracker = tracker_ref()
+        if tracker is not None and tracker.phase == "backward":
+            tracker.phase = "backward_blocks"
+        return gradient
+
+    def hook_outputs(module, inputs, output):
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(on_gradient)
+
+    blocks = [block for container in run.workload.block_lists(run.model) for block in container] \
+        if run.mode == "train" and run.pipeline is None else []
+    handles = [block.register_forward_hook(hook_outputs) for block in blocks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _trace_key(profile) -> tuple:

@@ -149,7 +149,9 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
     blocks = [block for container in run.workload.block_lists(run.model) for block in container]
     for block in blocks:  # one all-gather per block: only one block's parameters are whole at a time
         fully_shard(block, **options)
-    fully_shard(run.model, **options)
+    # The root (embeddings, final norm, head) stays gathered from its forward to its backward, as FSDP2 does by
+    # default (its parameters are needed again at once); an explicit True would reshard it too on torch >= 2.8.
+    fully_shard(run.model, **(options | {"reshard_after_forward": False}))
     run.placed = True
     # Global (unsharded) bytes: every parameter is gathered, only trained ones have gradients to scatter.
     gathered = GATHER_DTYPES[mp].itemsize if mp else None  # bytes per element all-gathered under `mp`
