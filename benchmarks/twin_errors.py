@@ -13,7 +13,7 @@ import pandas as pd
 from harness.records import read_results
 from harness.twins import twin_table
 
-LABELS = ("peak", "reserved", "step time")
+LABELS = ("peak", "reserved", "step time", "comm")
 
 
 def main(paths: list[str]) -> int:

@@ -26,7 +26,7 @@ import pandas as pd
 
 from harness.migrations import migrate
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 # A measured cell whose repeats' mean step times vary by more than this (coefficient of variation),
 # or whose mean step time is more than twice this off its median, is flagged `noisy`: its timings are
 # not to be trusted to a few percent (harness/measure/timing.py).
@@ -126,8 +126,11 @@ class Record:
     peak_error_vs_measured: float | None = None
     step_time_error_vs_measured: float | None = None
     reserved_error_vs_measured: float | None = None  # the allocator model's error: GPU twins only
+    comm_error_vs_measured: float | None = None  # bytes sent per rank per step: parallel twins only
     # accuracy
-    comm_bytes_per_step: int | None = None  # bytes each rank sends per step (parallel stacks; ring algorithms)
+    # bytes each rank sends per step (parallel stacks), in ring terms: counted over one step where measured
+    # (harness/measure/comm_volume.py), modelled where projected
+    comm_bytes_per_step: int | None = None
     # accuracy of the stack on its workload's task (harness/accuracy): mean over seeds, spread (sample
     # std), paired delta against the baseline with its 95% half-width, the verdict, and fidelity (top-1
     # agreement with the baseline's predictions, KL(baseline || stack) in nats); `accuracy_basis` says what

@@ -1,7 +1,7 @@
 """Twins: a projected row and the measured row of the same cell on the same device in the same run,
-and the projection's error against it (projected / measured - 1) for peak allocated, peak reserved and
-step time. The reserved figure compared is the one projected for the allocator setting the
-measured process ran under."""
+and the projection's error against it (projected / measured - 1) for peak allocated, peak reserved,
+step time and (parallel cells) the bytes a rank sends per step. The reserved figure compared is the one
+projected for the allocator setting the measured process ran under."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def projected_reserved(projected: dict, measured: dict):
 
 
 def twin_errors(projected: dict, measured: dict) -> dict[str, float | None]:
-    """The three error columns of a projected row against its measured twin. Only a CUDA twin has
+    """The error columns of a projected row against its measured twin. Only a CUDA twin has
     a caching allocator to compare the allocator model with (a CPU twin's reserved is unknown), and a
     twin whose timing is flagged noisy has no step time to compare with: its step-time error stays
     unknown rather than reflect the machine's load."""
@@ -42,7 +42,9 @@ def twin_errors(projected: dict, measured: dict) -> dict[str, float | None]:
         reserved_error_vs_measured=relative_error(projected_reserved(projected, measured),
                                                   measured["peak_reserved_bytes"]),
         step_time_error_vs_measured=None if noisy else relative_error(projected["step_time_ms_p50"],
-                                                                      measured["step_time_ms_p50"]))
+                                                                      measured["step_time_ms_p50"]),
+        comm_error_vs_measured=relative_error(projected.get("comm_bytes_per_step"),
+                                              measured.get("comm_bytes_per_step")))
 
 
 def twin_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
@@ -75,9 +77,10 @@ def twin_table(frame: pd.DataFrame) -> pd.DataFrame:
                      "allocator": twin.get("allocator"),
                      "peak err": errors["peak_error_vs_measured"],
                      "reserved err": errors["reserved_error_vs_measured"],
-                     "step time err": errors["step_time_error_vs_measured"]})
+                     "step time err": errors["step_time_error_vs_measured"],
+                     "comm err": errors["comm_error_vs_measured"]})
     return pd.DataFrame(rows, columns=[*KEY, "measured_peak_mib", "projected_peak_mib", "measured_step_ms",
-                                       "allocator", "peak err", "reserved err", "step time err"])
+                                       "allocator", "peak err", "reserved err", "step time err", "comm err"])
 
 
 def _mib(value) -> float | None:

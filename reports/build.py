@@ -38,11 +38,13 @@ TABLE_COLUMNS = [
     ("peak_error_vs_measured", "peak err vs measured", fmt.percent),
     ("step_time_error_vs_measured", "step err vs measured", fmt.percent),
     ("reserved_error_vs_measured", "reserved err vs measured", fmt.percent),
+    ("comm_error_vs_measured", "comm err vs measured", fmt.percent),
 ]
 # Projection error columns (projected / measured twin - 1) -> what they check.
 ACCURACY_COLUMNS = [("peak_error_vs_measured", "peak allocated (trace)"),
                     ("reserved_error_vs_measured", "peak reserved (allocator model)"),
-                    ("step_time_error_vs_measured", "step time (roofline)")]
+                    ("step_time_error_vs_measured", "step time (roofline)"),
+                    ("comm_error_vs_measured", "bytes sent per rank (communication model)")]
 ENV_COLUMNS = ["device_name", "torch_version", "cuda_version", "driver_version", "git_sha", "hostname"]
 
 

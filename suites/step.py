@@ -104,18 +104,23 @@ class Step:
             return self._pipeline_step(batch, mark)
         parts = run.micro_batches
         total = None
-        for micro in split_batch(batch, parts):
-            if mark:
-                mark("forward_start")
-            with self.autocast():
-                loss = run.workload.loss(self.model, micro)
-                if parts > 1:
-                    loss = loss / parts
-            if mark:
-                mark("forward_end")
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            if mark:
-                mark("backward_end")
+        for index, micro in enumerate(split_batch(batch, parts)):
+            # DDP all-reduces the gradients once per step, not after every micro-batch: the others run under
+            # no_sync (PyTorch's DDP docs); FSDP2 reduce-scatters each, as it does by default.
+            sync = self.model.no_sync() if index < parts - 1 and hasattr(self.model, "no_sync") \
+                else contextlib.nullcontext()
+            with sync:
+                if mark:
+                    mark("forward_start")
+                with self.autocast():
+                    loss = run.workload.loss(self.model, micro)
+                    if parts > 1:
+                        loss = loss / parts
+                if mark:
+                    mark("forward_end")
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                if mark:
+                    mark("backward_end")
             total = loss.detach() if total is None else total + loss.detach()
         if self.scaler:
             self.scaler.step(optimizer)

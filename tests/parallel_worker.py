@@ -64,11 +64,33 @@ def column_parallel() -> dict:
     return {"max_error": (out.full_tensor() - expected).abs().max().item(), "local_shape": list(out.to_local().shape)}
 
 
+def volumes() -> dict:
+    """Bytes CommVolumeMode counts for collectives of known sizes on this rank (fp32: 4 bytes an element)."""
+    from torch.distributed._functional_collectives import all_reduce
+
+    from harness.measure.comm_volume import bytes_sent
+
+    rank = dist.get_rank()
+
+    def ops():
+        dist.all_reduce(torch.ones(1000))
+        dist.all_gather_into_tensor(torch.empty(200), torch.ones(100))
+        dist.reduce_scatter_tensor(torch.empty(100), torch.ones(200))
+        all_reduce(torch.ones(10), "sum", dist.group.WORLD).wait()  # DTensor's functional form
+        if rank == 0:
+            dist.send(torch.ones(50), dst=1)
+        else:
+            dist.recv(torch.empty(50), src=0)
+
+    sent, by_op = bytes_sent(ops)
+    return {"sent": sent, "by_op": by_op}
+
+
 if __name__ == "__main__":
     stack, out, *size = sys.argv[1:]
     profile = detect_local(load_profiles(None))
     with process_group(profile):
-        result = column_parallel() if stack == "column" else losses(stack, *size)
+        result = column_parallel() if stack == "column" else volumes() if stack == "volume" else losses(stack, *size)
         leave_together()
         if not dist.is_initialized() or dist.get_rank() == 0:
             with open(out, "w") as handle:

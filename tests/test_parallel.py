@@ -38,7 +38,8 @@ def single():
     return losses("baseline")
 
 
-@pytest.mark.parametrize("stack", ["data-parallel", "zero1", "fsdp", "fsdp-zero2"])
+# data-parallel+grad-accumulation: DDP syncs only the last micro-batch (no_sync before it), same gradients.
+@pytest.mark.parametrize("stack", ["data-parallel", "zero1", "fsdp", "fsdp-zero2", "data-parallel+grad-accumulation"])
 def test_two_ranks_give_the_single_process_losses(stack, single, tmp_path):
     result = _worker(stack, tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
     # Same seed, same global batch split in two: the mean of the ranks' losses and the step after the
@@ -47,7 +48,7 @@ def test_two_ranks_give_the_single_process_losses(stack, single, tmp_path):
     assert result["comm"] > 0
     if stack.startswith("fsdp"):
         assert result["local_params"] * 2 == single["local_params"]  # every parameter sharded in two
-    if stack != "data-parallel":
+    if not stack.startswith("data-parallel"):
         assert result["optimizer_bytes"] == pytest.approx(single["optimizer_bytes"] / 2, rel=0.03)
     else:
         assert result["optimizer_bytes"] == single["optimizer_bytes"]  # a full replica per rank
@@ -118,6 +119,15 @@ def test_a_column_parallel_layer_equals_the_whole_layer_and_the_guides_sample_do
     torch.testing.assert_close(gathered, whole)  # the fix: shard the weight's outputs, gather every rank's part
 
 
+def test_the_bytes_a_rank_sends_are_counted_as_ring_collectives_and_sends(tmp_path):
+    result = _worker("volume", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
+    # Rank 0 on 2 ranks: all-reduce 2 (n-1)/n of 4000 B, all-gather and reduce-scatter (n-1)/n of their 800 B
+    # buffers, the functional all-reduce 2 (n-1)/n of 40 B, and the 200 B it sends.
+    assert result["by_op"] == {"allreduce_": 4000, "_allgather_base_": 400, "_reduce_scatter_base_": 400,
+                               "all_reduce": 40, "send": 200}
+    assert result["sent"] == 5040
+
+
 def test_two_nodes_meet_through_a_c10d_rendezvous_on_loopback(single, tmp_path):
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
@@ -145,6 +155,11 @@ def test_a_cell_on_two_ranks_has_a_row_per_rank_and_the_maximum(tmp_path):
     twin = frame[(frame["technique"] == "fsdp") & (frame["source"] == "projected")].iloc[0]
     # Its projected twin: one rank on 2 GPUs, checked against the cell row (the maximum over ranks).
     assert twin["world_size"] == 2 and pd.isna(twin["rank"]) and abs(twin["peak_error_vs_measured"]) < 0.5
+    # The bytes the ranks sent, counted as ring collectives over one step, are the bytes the projection models:
+    # FSDP2 gathers the blocks twice, its root (embeddings and head, kept gathered) once, and scatters once.
+    measured_comm = fsdp[fsdp["rank"].isna()].iloc[0]["comm_bytes_per_step"]
+    assert measured_comm == twin["comm_bytes_per_step"] and twin["comm_error_vs_measured"] == 0
+    assert "communication counted over one step" in fsdp[fsdp["rank"].isna()].iloc[0]["notes"]
     cell, ranks = fsdp[fsdp["rank"].isna()].iloc[0], fsdp[fsdp["rank"].notna()]
     assert cell["status"] == "ok" and cell["peak_allocated_bytes"] == ranks["peak_allocated_bytes"].max()
     assert cell["step_time_ms_p50"] == ranks["step_time_ms_p50"].max() and cell["comm_bytes_per_step"] > 0
@@ -234,6 +249,33 @@ def test_pipeline_stages_of_tensor_parallel_ranks_give_the_single_process_losses
     keep_rank_part(model, workload, 2)  # what one tensor-parallel rank holds of each block
     first = [model.blocks[0], model.wte, model.wpe]  # rank 0: the first stage
     assert result["local_params"] == sum(p.numel() for module in first for p in module.parameters())
+
+
+def test_3d_two_pipelines_of_tensor_parallel_stages_sharded_by_fsdp_give_the_single_process_losses(single,
+                                                                                                  tmp_path):
+    # 8 ranks on a (pp=2, dp=2, tp=2) mesh: each stage a group of 2 tensor-parallel ranks, 2 such pipelines on
+    # half the batch each, FSDP2 sharding each rank's part over the 2 pipelines (torchtitan's 3D layout).
+    result = _worker("tensor-parallel:t=2+pipeline-parallel:p=2+fsdp", tmp_path,
+                     [*TORCHRUN, "--standalone", "--nproc-per-node=8"])
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    from harness.project.tensor_parallel import keep_rank_part
+    from suites.workloads import get_workload
+
+    workload = get_workload("gpt")
+    model = workload.build(workload.size("smoke"))
+    keep_rank_part(model, workload, 2)
+    first = [model.blocks[0], model.wte, model.wpe]  # rank 0: the first stage's tensor-parallel part, halved
+    assert result["local_params"] * 2 == sum(p.numel() for module in first for p in module.parameters())
+
+
+def test_pipelines_side_by_side_without_a_data_parallel_technique_are_refused_with_the_fix(tmp_path):
+    out = tmp_path / "refused.json"
+    done = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=4", "tests/parallel_worker.py",
+                           "pipeline-parallel:p=2", str(out)], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode != 0 and not out.exists()
+    assert "2 pipelines side by side need a data-parallel technique to split the batch and average their " \
+           "gradients: add fsdp" in done.stderr
 
 
 @pytest.mark.parametrize("stack", ["pipeline-parallel", "pipeline-parallel:m=2:schedule=gpipe"])

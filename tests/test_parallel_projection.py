@@ -8,14 +8,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.project import project_outcome
-from harness.project.communication import collective_bytes, link_bytes_s
-from harness.project.parallel import rank_memory
+from harness.project.communication import collective_bytes, link_bytes_s, pipeline_bytes
+from harness.project.parallel import _root_bytes, rank_memory
 from harness.project.query import ProjectRequest, projected_rows
 from suites.techniques import Unsupported
+from suites.workloads import WORKLOADS
 
 PROFILES = load_profiles()
 # One rank's unsharded figures at each phase's peak (a toy trace): 100 bytes of parameters, as many of
@@ -85,9 +87,7 @@ def test_fsdp_gathers_a_moe_blocks_experts_unless_each_rank_holds_its_own():
 def test_the_trace_splits_the_backward_where_the_first_gradient_reaches_a_block():
     # FSDP gathers blocks only once their backward starts: before that (the loss and the head) the trace's
     # gradients are the root's alone; from there on the blocks' are added.
-    from harness.project.parallel import _root_bytes
     from harness.project.trace import traced
-    from suites.workloads import WORKLOADS
 
     cell = Cell("gpt", "smoke", "train", "baseline", "h100-sxm", 4, "projected").resolve(PROFILES)
     trace = traced(cell)
@@ -102,12 +102,30 @@ def test_the_trace_splits_the_backward_where_the_first_gradient_reaches_a_block(
 def test_collectives_are_ring_volumes_and_cross_the_slowest_link():
     assert collective_bytes("data-parallel", 4, 100, 100) == {"backward": 150.0}  # 2 (d - 1) / d
     assert collective_bytes("fsdp", 4, 100, 100) == {"forward": 75.0, "backward": 150.0}  # gathered twice
+    # FSDP2's root (20 of the 100 bytes) stays gathered from forward to backward: gathered once.
+    assert collective_bytes("fsdp", 4, 100, 100, root=20) == {"forward": 75.0, "backward": 135.0}
+    # In a pipeline stage of 4 micro-batches: the blocks gathered 4 + 1 times, the root once, gradients
+    # scattered once (not 4 times, as plain micro-batches would).
+    assert collective_bytes("fsdp", 4, 100, 100, micro_batches=4, root=20, pipelined=True) == \
+        {"forward": 0.75 * (20 + 4 * 80), "backward": 0.75 * (80 + 100)}
+    assert collective_bytes("fsdp-zero2", 4, 100, 100, micro_batches=4, pipelined=True) == \
+        {"forward": 75.0, "backward": 75.0}
+    assert collective_bytes("fsdp-zero2", 4, 100, 100, micro_batches=4) == {"forward": 300.0, "backward": 300.0}
     h100 = PROFILES["h100-sxm"]
     assert link_bytes_s(h100, 8)[0] == 450e9  # NVLink4: 900 GB/s both ways
     bandwidth, why = link_bytes_s(h100, 16)
     assert bandwidth == pytest.approx(400e9 / 8) and "node network" in why  # 8 x 400 Gb/s per DGX H100 node
     assert link_bytes_s(PROFILES["l4"], 4)[1].startswith("PCIe Gen4 x16 through the host")
     assert link_bytes_s(PROFILES["t4"], 16)[0] is None  # no node network known: no step time, said why
+
+
+def test_the_stage_that_sends_most_is_a_middle_one_or_an_end_with_the_tied_weight():
+    # Two stages: each sends one direction per micro-batch, and the tied embedding's gradient once.
+    assert pipeline_bytes(2, 10, micro_batches=4, tied_bytes=100) == (10.0, 100.0)
+    # More stages: a middle stage sends both directions, unless the ends' tied weight outweighs that.
+    assert pipeline_bytes(4, 10, micro_batches=4, tied_bytes=10) == (20.0, 0.0)
+    assert pipeline_bytes(4, 10, micro_batches=4, tied_bytes=100) == (10.0, 100.0)
+    assert pipeline_bytes(1, 10, micro_batches=4, tied_bytes=100) == (0.0, 0.0)
 
 
 def test_a_7b_full_fine_tune_needs_sharding_on_eight_h100s():
@@ -130,8 +148,14 @@ def test_fsdp_gathering_in_bf16_keeps_fp32_states_sends_less_and_drops_autocasts
     cast, gathered = projected("fsdp+amp-bf16"), projected("fsdp:mp=bf16+amp-bf16")
     for state in ("params", "grads", "optimizer"):  # fp32 shards either way
         assert getattr(gathered.memory, state) == pytest.approx(getattr(cast.memory, state), rel=1e-4)
-    # Gathers twice in 2 bytes and reduce-scatters in 4, against 4 + 4 + 4.
-    assert gathered.comm_bytes_per_step == pytest.approx(cast.comm_bytes_per_step * 8 / 12, rel=1e-3)
+    # Gathers the blocks twice and the root (embeddings, head: a share `root` of the parameters) once, in 2
+    # bytes, and reduce-scatters in 4, against 4 + 4.
+    workload = WORKLOADS["gpt"]
+    with torch.device("meta"):
+        model = workload.build(workload.sizes["gpt-7b"])
+    root = _root_bytes(model, workload, 1) / cast.memory.param_count
+    assert gathered.comm_bytes_per_step == pytest.approx(
+        cast.comm_bytes_per_step * (2 * (2 - root) + 4) / (4 * (2 - root) + 4), rel=1e-3)
     # Autocast caches a bf16 copy of every fp32 weight until the forward ends; bf16 gathers need none.
     dropped = cast.memory.activations - gathered.memory.activations
     assert dropped == pytest.approx(2 * cast.memory.param_count, rel=0.1)
@@ -276,10 +300,12 @@ def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
                           for s in ("", ":schedule=gpipe"))
     # GPipe holds all 16 micro-batches' activations, 1F1B at most the 4 stages': 16/4 as many beyond the first.
     assert gpipe.memory.activations > 2 * one_f_one_b.memory.activations
-    steps = {m: _projected(stack.format(m=m, schedule=""), 4, size="gpt2-1.3b", batch=m) for m in (4, 8, 32)}
+    steps = {m: _projected(stack.format(m=m, schedule=""), 4, size="gpt2-1.3b", batch=m) for m in (4, 8, 16)}
     ms = {m: outcome.speed.step_time_ms_p50 for m, outcome in steps.items()}
-    # (m + p - 1) slots of one micro-batch, then the optimizer step once: linear in m, slope one slot.
-    slot = (ms[32] - ms[8]) / 24
+    # (m + p - 1) slots of one micro-batch, then the optimizer step once: linear in m, slope one slot (while
+    # the end stages, one send per micro-batch and the tied embedding's all-reduce, send most; from m = 32 on
+    # a middle stage's two sends per micro-batch outweigh it).
+    slot = (ms[16] - ms[8]) / 8
     assert (ms[8] - ms[4]) / 4 == pytest.approx(slot, rel=1e-9)
     assert ms[4] > 7 * slot  # 4 micro-batches fill 7 slots, 3 of them idle: the bubble, plus the step
     assert "pipeline bubble 43%" in "; ".join(steps[4].notes)  # (p - 1) / (m + p - 1) = 3 / 7

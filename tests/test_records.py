@@ -264,7 +264,7 @@ def test_schema_7_rows_gain_empty_generation_nvml_and_accuracy_columns(tmp_path)
     frame = records_frame([_record("a", mode="infer", seq_len=1024).to_dict()])
     frame.drop(columns=added).assign(schema_version=7).to_csv(tmp_path / "v7.csv", index=False)
     back = read_results(tmp_path / "v7.csv")
-    assert list(back.columns) == COLUMNS and back.loc[0, "schema_version"] == SCHEMA_VERSION == 11
+    assert list(back.columns) == COLUMNS and back.loc[0, "schema_version"] == SCHEMA_VERSION == 12
     assert all(back.loc[0, column] is pd.NA for column in added) and back.loc[0, "seq_len"] == 1024
 
 

@@ -128,7 +128,7 @@ def test_checkpointing_wraps_every_block():
     spec = workload.sizes["smoke"]
     run = Run(workload=workload, size=spec, mode="train", profile=CPU, model=workload.build(spec), batch_size=4)
     parse_stack("checkpointing").apply(run)
-    blocks = [b for container in workload.block_lists(run.model) for b in container]
+    blocks = workload.blocks(run.model)
     assert blocks and all(type(b).__name__ == "CheckpointWrapper" for b in blocks)
 
 

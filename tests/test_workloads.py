@@ -80,6 +80,18 @@ def test_parameter_count(workload_name, size_name):
         assert abs(n - size.canonical_params) / size.canonical_params <= size.canonical_tolerance
 
 
+def test_blocks_are_the_containers_flattened_in_order():
+    gpt_model = gpt.WORKLOAD.build(gpt.SIZES["smoke"])
+    assert gpt.WORKLOAD.blocks(gpt_model) == list(gpt_model.blocks)
+    assert len(gpt.WORKLOAD.blocks(gpt_model)) == gpt.SIZES["smoke"].config["n_layer"]
+    resnet = get_workload("resnet50")
+    with torch.device("meta"):
+        model = resnet.build(resnet.size("resnet50"))
+    # ResNet-50's four stages hold 3, 4, 6 and 3 bottleneck blocks.
+    assert resnet.blocks(model) == [*model.layer1, *model.layer2, *model.layer3, *model.layer4]
+    assert len(resnet.blocks(model)) == 16
+
+
 @pytest.mark.parametrize("workload_name", list(WORKLOADS))
 def test_smoke_train_step_and_inference(workload_name):
     w, size = _sizes(workload_name, "smoke")

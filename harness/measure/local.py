@@ -18,6 +18,7 @@ import torch
 
 from harness.cell import ResolvedCell
 from harness.measure import artifacts
+from harness.measure.comm_volume import bytes_sent
 from harness.measure.distributed import rank_slice
 from harness.measure.generation import time_generation
 from harness.measure.memory import probe_for
@@ -164,14 +165,34 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         step_time_ms_mean=timing.mean_ms, throughput_samples_s=timing.throughput(cell.batch_size),
         step_time_cv=timing.cv, noisy=timing.noisy(settings.noise_threshold), timed_steps=len(timing.step_s),
         warmup_s=warmup_s)
-    notes = list(run.notes) + _artifacts(cell, lambda: step(batch), device, settings, timing, memory)
+    comm, comm_note = _communication(run, lambda: step(batch))
+    notes = list(run.notes) + comm_note + _artifacts(cell, lambda: step(batch), device, settings, timing, memory)
     return Outcome(
         status="ok", precision=run.precision, memory=memory, speed=speed, device_name=_device_name(device),
         driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
         wall_time_s=time.perf_counter() - started, notes=notes, serving=serving,
         nvml=sampler.figures() if source is not None else None,
         samples_timed=len(timing.step_s) * cell.batch_size // run.data_parallel, usd_per_kwh=settings.usd_per_kwh,
-        comm_bytes_per_step=run.comm_bytes_per_step)
+        comm_bytes_per_step=comm)
+
+
+def _communication(run: Run, one_step) -> tuple[int | None, list[str]]:
+    """Bytes this rank sends per step, counted over one more step after the timed ones (the counting
+    dispatch mode slows every op): the row's figure, with the technique's ring formula beside it. A compiled
+    step's collectives run inside its graph, out of the mode's sight: the formula stands there."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or run.comm_bytes_per_step is None:
+        return run.comm_bytes_per_step, []
+    if run.compiled:
+        return run.comm_bytes_per_step, ["communication: the techniques' ring formula (a compiled step's "
+                                         "collectives are not counted)"]
+    sent, by_op = bytes_sent(one_step)
+    formula = run.comm_bytes_per_step
+    split = ", ".join(f"{name} {value:,}" for name, value in sorted(by_op.items(), key=lambda item: -item[1]))
+    return sent, [f"communication counted over one step: {sent:,} bytes sent by this rank ({split or 'none'}); "
+                  f"the techniques' ring formula gives {formula:,}"
+                  + (f" (counted / formula {sent / formula:.2f})" if formula else "")]
 
 
 def _artifacts(cell: ResolvedCell, one_step, device: torch.device, settings: MeasureSettings, timing,

@@ -35,11 +35,18 @@ def link_bytes_s(profile, ranks: int) -> tuple[float | None, str]:
     return None, f"no GPU or host link bandwidth known for {profile.id}"
 
 
-def collective_bytes(technique: str | None, dp: int, params: int, grads: int, micro_batches: int = 1
-                     ) -> dict[str, float]:
+def collective_bytes(technique: str | None, dp: int, params: int, grads: int, micro_batches: int = 1,
+                     root: int = 0, pipelined: bool = False) -> dict[str, float]:
     """Bytes each data-parallel rank sends per step, per phase the collective runs under. DDP and ZeRO-1
     all-reduce the gradients once per step (accumulating micro-batches without syncing); FSDP2, as it runs
-    by default, gathers the parameters and reduce-scatters the gradients for every micro-batch."""
+    by default, gathers the parameters and reduce-scatters the gradients for every micro-batch, its `root`
+    (the parameters outside the blocks) once for both passes.
+
+    In a pipeline stage (`pipelined`), torch.distributed.pipelining keeps FSDP2 from resharding after a
+    backward and from reduce-scattering before the last one: gradients are scattered once per step, and
+    ZeRO-3 gathers a stage's blocks m + 1 times (every warm-up forward, then each backward after a forward
+    that resharded them: 1F1B and GPipe alike), its root once. Counted on 4 gloo ranks with
+    harness/measure/comm_volume.py: exactly these bytes."""
     if technique is None or dp == 1:
         return {}
     share = (dp - 1) / dp
@@ -47,10 +54,15 @@ def collective_bytes(technique: str | None, dp: int, params: int, grads: int, mi
         return {"backward": 2 * share * grads}
     if technique == "zero1":
         return {"backward": 2 * share * grads, "optimizer": share * params}  # + the updated shards' broadcast
+    if pipelined:
+        gathers = 1 if technique == "fsdp-zero2" else micro_batches + 1
+        blocks = params - root
+        return {"forward": share * (root + min(gathers, micro_batches) * blocks),
+                "backward": share * ((gathers - min(gathers, micro_batches)) * blocks + grads)}
     if technique == "fsdp-zero2":
         return {"forward": micro_batches * share * params, "backward": micro_batches * share * grads}
-    # ZeRO-3 gathers again for the backward.
-    return {"forward": micro_batches * share * params, "backward": micro_batches * share * (params + grads)}
+    # ZeRO-3 gathers the blocks again for the backward; the root stays gathered (FSDP2's default for it).
+    return {"forward": micro_batches * share * params, "backward": micro_batches * share * (params - root + grads)}
 
 
 def exposed_s(sent: dict[str, float], windows: dict[str, float], link: float, technique: str | None) -> float:
@@ -90,6 +102,12 @@ def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: in
     return sharded * 2 * (tp - 1) / tp * elements * (forwards * output_bytes + stream_bytes)
 
 
-def pipeline_bytes(pp: int, activation_bytes: int) -> float:
-    """Bytes a stage sends per micro-batch: its output forward, the gradient of its input backward."""
-    return 2.0 * activation_bytes if pp > 1 else 0.0
+def pipeline_bytes(pp: int, activation_bytes: int, micro_batches: int, tied_bytes: int) -> tuple[float, float]:
+    """(bytes per micro-batch, bytes once per step) of the stage that sends most: a middle stage sends its
+    output forward and its input's gradient backward; the first and the last send one of them per micro-batch
+    and all-reduce the gradient of a weight they both hold (a tied embedding: 2 (n - 1) / n of it, n = 2)."""
+    if pp == 1:
+        return 0.0, 0.0
+    if pp > 2 and 2 * activation_bytes * micro_batches > activation_bytes * micro_batches + tied_bytes:
+        return 2.0 * activation_bytes, 0.0
+    return float(activation_bytes), float(tied_bytes)

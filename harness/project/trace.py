@@ -78,6 +78,7 @@ class StepTrace:
     # Compute the trace could not see (modules' `untraced_compute`): the roofline cannot time the step.
     untraced: tuple[str, ...] = ()
     param_count: int = 0  # parameters of the model the stack built (as a measured row counts them)
+    micro_batches: int = 1  # forward/backward passes per optimizer step (grad-accumulation)
     # A served decoder's generation (generation_trace.py): ops in phases prefill, decode_first and
     # decode_last; its KV cache's bytes and the bytes of tables a decode step reads one row of.
     gen_len: int | None = None
@@ -324,7 +325,8 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         notes=notes + run.notes,
         phase_peaks=tracker.phase_peaks, phase_at_peak=tracker.phase_at_peak,
         first_matmul_at=tuple(first_matmuls.at.values()), measured_from=measured_from,
-        param_count=count_parameters(run.model), host=getattr(step.optimizer, "traffic", None),
+        param_count=count_parameters(run.model), micro_batches=run.micro_batches,
+        host=getattr(step.optimizer, "traffic", None),
         untraced=tuple(sorted({m.untraced_compute for m in run.model.modules() if hasattr(m, "untraced_compute")})))
 
 
@@ -353,8 +355,7 @@ def _blocks_backward_marked(run: Run, tracker: _RecordingMemTracker):
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(on_gradient)
 
-    blocks = [block for container in run.workload.block_lists(run.model) for block in container] \
-        if run.mode == "train" and run.pipeline is None else []
+    blocks = run.workload.blocks(run.model) if run.mode == "train" and run.pipeline is None else []
     handles = [block.register_forward_hook(hook_outputs) for block in blocks]
     try:
         yield

@@ -114,6 +114,9 @@ class Stack:
         if self.missing:
             raise Unsupported(self.check(run.profile, run.workload, run.mode))
         for technique in self.techniques:
+            if technique.declare is not None:
+                technique.declare(run)
+        for technique in self.techniques:
             technique.apply(run)
         return run
 

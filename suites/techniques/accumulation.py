@@ -27,6 +27,9 @@ def _apply(run: Run) -> None:
 GRAD_ACCUMULATION = Technique(
     id="grad-accumulation", phase=Phase.STEP, changes_numerics=False, guide="T6",
     summary=f"{DEFAULT_MICRO_BATCHES} micro-batches per optimizer step, loss divided by {DEFAULT_MICRO_BATCHES}",
-    check=train_only("grad-accumulation"), apply=_apply, exclusive="accumulation")
+    check=train_only("grad-accumulation"), apply=_apply, exclusive="accumulation",
+    # Declared before the stack applies: data-parallel techniques split the batch into ranks x micro-batches
+    # and count FSDP's per-pass collectives, pipelines refuse it, all before this step-phase technique runs.
+    declare=lambda run: setattr(run, "micro_batches", DEFAULT_MICRO_BATCHES))
 
 TECHNIQUES = (GRAD_ACCUMULATION,)

@@ -70,8 +70,11 @@ class Run:
         sequence_parallel: tensor parallelism also shards the sequence between its regions (norms,
             dropout, the residual stream), set by `sequence-parallel` before `tensor-parallel` applies.
         pipeline: this rank's pipeline stage runner (`pipeline-parallel`), which then runs the train step.
+        pipeline_stages: the stages `pipeline-parallel:p=P` asks for, declared before the stack applies (None:
+            no pipeline, or its stages are whatever ranks the others leave).
         mesh: the device mesh the stack's parallel techniques share: 2-D (`dp`, `tp`) where tensor
-            parallelism runs in groups smaller than the world (None: each builds a 1-D one).
+            parallelism runs in groups smaller than the world, 3-D (`pp`, `dp`, `tp`) where pipelines of
+            such groups also run side by side (None: each builds a 1-D one).
         comm_bytes_per_step: bytes each rank sends per step for a parallel stack (ring algorithms).
         placed: a parallel technique put the model on its devices (FSDP2 offload keeps shards on the host),
             so measurement must not move it.
@@ -100,6 +103,7 @@ class Run:
     data_rank: int | None = None
     mesh: Any = None
     pipeline: Any = None
+    pipeline_stages: int | None = None
     sequence_parallel: bool = False
     comm_bytes_per_step: int | None = None
     placed: bool = False
@@ -134,6 +138,8 @@ class Technique:
             (ValueError naming a bad option); None for a technique without options.
         requires: the id of a technique it works through, which the stack must hold too
             (`sequence-parallel` shards what `tensor-parallel` leaves whole).
+        declare: run before any technique of the stack applies, to set what those applied earlier must know
+            (`pipeline-parallel`'s stage count, which tensor parallelism's device mesh is cut by).
     """
 
     id: str
@@ -149,6 +155,7 @@ class Technique:
     fine_tune: bool = False
     configure: Callable[[dict[str, str]], Technique] | None = None
     requires: str | None = None
+    declare: Callable[[Run], None] | None = None
 
     def __post_init__(self) -> None:
         if self.fine_tune and not self.post_training:

@@ -67,7 +67,8 @@ def _apply(run: Run, ranks: int | None) -> None:
     buffer = experts * layers[0].capacity(tokens) * width * 4  # fp32 bytes of one capacity buffer
     replicated = sum(p.numel() * p.element_size() for p in run.model.parameters() if id(p) not in owned)
     share = (world - 1) / world
-    run.comm_bytes_per_step = int(4 * len(layers) * share * buffer + 2 * share * replicated)
+    # The hooks all-reduce the replicated gradients in every backward: once per accumulated pass.
+    run.comm_bytes_per_step = int(4 * len(layers) * share * buffer + 2 * share * replicated * run.micro_batches)
     run.notes.append(f"expert parallel over {world} ranks: {experts // world} of {experts} experts per rank in "
                      f"{len(layers)} MoE layers, tokens exchanged by all-to-all; the rest replicated, its gradients "
                      "all-reduced (each backward, unbucketed)")

@@ -39,18 +39,18 @@ def rank_device(run: Run) -> torch.device:
 
 
 def _mesh(run: Run):
-    """The data-parallel mesh: the `dp` dimension of the stack's 2-D mesh, or every rank."""
+    """The data-parallel mesh: the `dp` dimension of the stack's 2-D or 3-D mesh, or every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if run.mesh is not None:
-        return run.mesh["dp"] if run.mesh.ndim == 2 else run.mesh
+        return run.mesh["dp"] if run.mesh.ndim >= 2 else run.mesh
     run.mesh = init_device_mesh(rank_device(run).type, (distributed().get_world_size(),))
     return run.mesh
 
 
 def _splits_batch(run: Run, dist, sharded: bool) -> None:
-    """Set the data-parallel ranks and this rank's slice: every rank, or the `dp` dimension of a 2-D mesh
-    (tensor-parallel ranks of one group take the same slice)."""
+    """Set the data-parallel ranks and this rank's slice: every rank, or the `dp` dimension of a 2-D or 3-D
+    mesh (tensor-parallel ranks of one group, and the stages of one pipeline, take the same slice)."""
     from torch.distributed.tensor import DTensor
 
     if any(getattr(module, "exchange", None) is not None for module in run.model.modules()):
@@ -59,11 +59,11 @@ def _splits_batch(run: Run, dist, sharded: bool) -> None:
                               "(its gradient hooks average it): DDP over it adds nothing; use fsdp to shard it")
         return  # expert parallelism set every rank's slice already
     world, index = dist.get_world_size(), None
-    two_d = run.mesh is not None and run.mesh.ndim == 2
-    if run.pipeline is not None and two_d and "tp" in run.mesh.mesh_dim_names:
-        raise Unsupported("data parallelism over pipelines of tensor-parallel stages (3D) is not built under "
-                          "torchrun: measure tensor-parallel:t=T+pipeline-parallel:p=P on T x P ranks; "
-                          "headroom project projects all three")
+    two_d = run.mesh is not None and run.mesh.ndim >= 2
+    if run.pipeline is not None and two_d and run.mesh.mesh_dim_names == ("dp", "tp"):
+        raise Unsupported("tensor-parallel and pipeline-parallel take every rank here, leaving none to split the "
+                          "batch over: give pipeline-parallel:p=P and tensor-parallel:t=T with P x T below the "
+                          "world size (3D parallelism)")
     if any(isinstance(p, DTensor) for p in run.model.parameters()) and not two_d:
         raise Unsupported("tensor-parallel takes every rank here, leaving none to split the batch over: give it "
                           "groups (tensor-parallel:t=N with N below the world size)")
@@ -146,23 +146,33 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=GATHER_DTYPES[mp], reduce_dtype=torch.float32)
         if run.precision == "fp32":  # no autocast: every op computes in the gathered dtype
             run.precision = mp
-    blocks = [block for container in run.workload.block_lists(run.model) for block in container]
+    blocks = run.workload.blocks(run.model)
+    # What FSDP gathers whole, before it shards: each parameter as this rank holds it (a tensor-parallel
+    # rank's part of a sharded layer), in the dtype gathered; only trained ones have gradients to scatter.
+    gathered = GATHER_DTYPES[mp].itemsize if mp else None  # bytes per element all-gathered under `mp`
+    inside = {p for block in blocks for p in block.parameters()}
+    held = [((p.to_local() if hasattr(p, "to_local") else p).numel(), p.element_size(), p.requires_grad, p in inside)
+            for p in run.model.parameters() if p not in experts]
+    params = sum(n * (gathered or size) for n, size, _, _ in held)
+    root = sum(n * (gathered or size) for n, size, _, in_block in held if not in_block)
+    trained = sum(n * size for n, size, grad, _ in held if grad)
     for block in blocks:  # one all-gather per block: only one block's parameters are whole at a time
         fully_shard(block, **options)
     # The root (embeddings, final norm, head) stays gathered from its forward to its backward, as FSDP2 does by
     # default (its parameters are needed again at once); an explicit True would reshard it too on torch >= 2.8.
     fully_shard(run.model, **(options | {"reshard_after_forward": False}))
     run.placed = True
-    # Global (unsharded) bytes: every parameter is gathered, only trained ones have gradients to scatter.
-    gathered = GATHER_DTYPES[mp].itemsize if mp else None  # bytes per element all-gathered under `mp`
-    shared = [p for p in run.model.parameters() if p not in experts]
-    params = sum(p.numel() * (gathered or p.element_size()) for p in shared)
-    trained = sum(p.numel() * p.element_size() for p in shared if p.requires_grad)
     world = run.data_parallel
-    gathers = 1 if not reshard_after_forward else 2  # forward, and again for the backward unless kept
-    # Expert parallelism's all-to-alls stay; its all-reduce of the rest is now FSDP's gathers and scatters.
-    exchanged = (run.comm_bytes_per_step or 0) - int(2 * (world - 1) / world * trained) if experts else 0
-    run.comm_bytes_per_step = exchanged + int((world - 1) / world * (params * gathers + trained))
+    # Gathered for the forward, and the blocks again for the backward unless kept (the root stays gathered);
+    # in a pipeline stage, the blocks once per micro-batch and once more (harness/project/communication.py's
+    # collective_bytes). Counted as sent (harness/measure/comm_volume.py) on gpt smoke: exactly these bytes.
+    block_gathers = 1 if not reshard_after_forward else run.pipeline.micro_batches + 1 if run.pipeline else 2
+    gathered_bytes = root + block_gathers * (params - root)
+    # Tensor parallelism's and the pipeline's bytes stay; so do expert parallelism's all-to-alls, but its
+    # all-reduce of the rest is now FSDP's gathers and scatters.
+    kept = (run.comm_bytes_per_step or 0) - (int(2 * (world - 1) / world * trained) if experts else 0)
+    passes = 1 if run.pipeline else run.micro_batches  # FSDP2 gathers and scatters in each accumulated pass
+    run.comm_bytes_per_step = kept + int((world - 1) / world * passes * (gathered_bytes + trained))
     run.notes.append(f"FSDP2 over {world} data-parallel ranks, {len(blocks)} blocks sharded one by one"
                      + ("; the experts left unsharded (each rank's own)" if experts else "")
                      + ("; parameters kept gathered from forward to backward (ZeRO-2)" if not reshard_after_forward
@@ -225,7 +235,18 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     ranks = ranks or world
     if world % ranks:
         raise Unsupported(f"tensor-parallel:t={ranks} does not divide {world} ranks into groups")
-    if ranks < world:
+    stages = run.pipeline_stages
+    if ranks < world and stages and world // ranks > stages:
+        # 3D: `stages` x data-parallel x `ranks`, tensor parallelism innermost and pipeline stages outermost
+        # (torchtitan's order): one mesh, so that FSDP2's data-parallel dimension and the tensor-parallel
+        # one share the root it requires.
+        if world % (stages * ranks):
+            raise Unsupported(f"{stages} pipeline stages of {ranks} tensor-parallel ranks do not divide {world} "
+                              "ranks into data-parallel groups")
+        run.mesh = init_device_mesh(rank_device(run).type, (stages, world // stages // ranks, ranks),
+                                    mesh_dim_names=("pp", "dp", "tp"))
+        mesh = run.mesh["tp"]
+    elif ranks < world:
         # Groups of `ranks` consecutive ranks (tensor parallelism innermost, on the fastest links), the
         # groups side by side on the data-parallel dimension that a sharding technique then uses.
         run.mesh = init_device_mesh(rank_device(run).type, (world // ranks, ranks), mesh_dim_names=("dp", "tp"))
@@ -270,7 +291,7 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
                      f"projections row-parallel and all-reduced; embeddings and norms replicated"
-                     + (f"; {groups} such groups on a 2-D mesh (data-parallel groups, or pipeline stages)"
+                     + (f"; {groups} such groups on a {run.mesh.ndim}-D mesh (data-parallel groups, pipeline stages)"
                         if groups > 1 else "")
                      + ("; sequence parallel: norms, dropout and the residual stream hold 1/"
                         f"{ranks} of the sequence" if sequence else ""))

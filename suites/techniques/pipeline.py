@@ -159,9 +159,9 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     if tensor > 1 and stages * tensor > world:
         raise Unsupported(f"{stages} stages of {tensor} tensor-parallel ranks need {stages * tensor} ranks, "
                           f"not {world}")
-    if tensor > 1 and stages * tensor != world:
-        raise Unsupported(f"{stages} stages of {tensor} tensor-parallel ranks on {world} ranks: pipelines of "
-                          "tensor-parallel stages side by side (3D) are not built; give p x t = the world size")
+    if tensor > 1 and world % (stages * tensor):
+        raise Unsupported(f"{stages} stages of {tensor} tensor-parallel ranks do not divide {world} ranks into "
+                          "pipelines side by side")
     if tensor > 1 and run.sequence_parallel:
         raise Unsupported("sequence-parallel inside pipeline stages is not built: drop one of them")
     if world % stages:
@@ -185,9 +185,12 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     group, line = None, 0
     index = dist.get_rank()
     if tensor > 1:
-        # Stage-major over the tensor-parallel ranks: a stage's group is the outer dimension's.
-        outer = run.mesh["dp"]
-        group, index, line = outer.get_group(), outer.get_local_rank(), run.mesh["tp"].get_local_rank()
+        # Stage-major over the tensor-parallel ranks: a stage's group is the outer dimension's (`pp` of the
+        # 3-D mesh tensor parallelism built for the declared stages; `dp` of its 2-D one, all stages there).
+        outer = run.mesh["pp" if run.mesh.ndim == 3 else "dp"]
+        group, index = outer.get_group(), outer.get_local_rank()
+        line = run.mesh["tp"].get_local_rank() + (run.mesh["dp"].get_local_rank() * tensor if run.mesh.ndim == 3
+                                                  else 0)
     elif pipelines > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -211,7 +214,12 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     activation = batch * (run.size.seq_len or 0) * run.size.config.get("n_embd", 0) * 4
     # Tensor parallelism counted its all-reduces for every block on a 1/stages slice of the batch: a stage
     # holds 1/stages of the blocks on the whole batch, the same bytes.
-    run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + activation * ((index < stages - 1) + (index > 0))
+    # The first and last stages also all-reduce the tied weight's gradient between them (2 (n - 1) / n of it on
+    # n = 2 ranks: its bytes), sharded over the pipelines by the data-parallel technique they need.
+    tied_bytes = sum(p.numel() * p.element_size() for p in getattr(run.model, "tied_parameters", list)()) \
+        if stages > 1 else 0
+    run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + activation * ((index < stages - 1) + (index > 0)) \
+        + tied_bytes // pipelines
     run.notes.append(f"stage {index + 1} of {stages} ({options.schedule.upper()}, {micro} micro-batches of "
                      f"{batch // micro}; torch.distributed.pipelining): its blocks"
                      + (", the embeddings" if index == 0 else "") + (", the head" if index == stages - 1 else "")
@@ -219,12 +227,18 @@ def _apply(run: Run, options: PipelineOptions) -> None:
                      + (f"; each stage {tensor} tensor-parallel ranks" if tensor > 1 else ""))
 
 
+def _declare(run: Run, options: PipelineOptions) -> None:
+    """Tell the techniques applied before it how many stages it cuts (tensor parallelism then builds a 3-D
+    mesh when pipelines of its groups run side by side)."""
+    run.pipeline_stages = options.stages
+
+
 def _technique(options: PipelineOptions) -> Technique:
     base = Technique(
         id=canonical_name(options), phase=Phase.PARALLEL, changes_numerics=False, guide="T13",
         exclusive="pipeline-parallel", order=1,
         summary="consecutive blocks per rank, micro-batches flowing through the stages (GPipe or 1F1B)",
-        check=_check, apply=lambda run: _apply(run, options))
+        check=_check, apply=lambda run: _apply(run, options), declare=lambda run: _declare(run, options))
     return replace(base, configure=lambda given: _technique(parse_options(given)))
 
 

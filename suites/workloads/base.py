@@ -200,6 +200,11 @@ class Workload:
             valid = ", ".join(self.sizes)
             raise ValueError(f"unknown size {name!r} for workload {self.name!r}; valid: {valid}") from None
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """Every repeated block of `model`, in order: its `block_lists` containers flattened (what FSDP
+        shards one by one and what checkpointing or a trace's backward marks)."""
+        return [block for container in self.block_lists(model) for block in container]
+
     def default_size(self) -> SizeSpec:
         """The size a question about the workload means when it names none: its first standard one."""
         return (self.sizes_at("standard") or list(self.sizes.values()))[0]
