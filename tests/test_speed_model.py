@@ -14,7 +14,7 @@ from harness.profiles import load_profiles
 from harness.project import project, traced
 from harness.project.depth import traced_to_depth
 from harness.project.op_costs import foreach_kernels
-from harness.project.roofline import ISSUERS, OpArrays, estimate, step_time
+from harness.project.roofline import ISSUERS, OpArrays, estimate, op_arrays, step_time
 from harness.project.speed_constants import constants_for
 from harness.project.speed_fit import SpeedPoint, fit, held_out, projected_s
 from suites.step import tf32_matmuls
@@ -36,7 +36,7 @@ def _gemm(flops: float, count: int = 1, aligned: bool = True, issuer: str = "pyt
     return OpArrays(count=np.array([count], float), flops=np.array([flops]), bytes=np.array([flops / 1000]),
                     kernels=np.array([1.0]), phase=np.array([0]), issuer=np.array([ISSUERS.index(issuer)]),
                     aligned=np.array([aligned]), op_class=np.array([0]), fused=np.array([False]),
-                    achievable=np.array([profile.achievable_flops["bf16"]]),
+                    simt=np.array([False]), achievable=np.array([profile.achievable_flops["bf16"]]),
                     datasheet=np.array([profile.peak("bf16")]), sm_count=profile.sm_count,
                     bandwidth=profile.memory_bandwidth_bytes_s, achievable_bandwidth=None, host_is_device=False)
 
@@ -81,6 +81,30 @@ def test_a_profile_without_a_measured_matmul_rate_is_derated_by_generation_and_s
     # h100-sxm has a measured bf16 rate: an amp-bf16 projection's note does not claim a derating for bf16.
     amp = estimate(traced(_cell(technique="amp-bf16")), PROFILES["h100-sxm"])
     assert not any("bf16 on h100-sxm" in note for note in amp.notes)
+
+
+def test_convolutions_pay_the_conv_efficiency_on_tensor_cores_only():
+    """fp32 convolutions run on a V100's CUDA cores like a GEMM; on an A100 cuDNN takes them to TF32 tensor
+    cores, where the fitted conv efficiency applies."""
+    def conv_ops(gpu):
+        ops = op_arrays(traced(_cell(workload="resnet50", size="smoke", gpu=gpu, batch=2)), PROFILES[gpu].per_device())
+        return ops, ops.op_class == 1
+
+    v100, v100_convs = conv_ops("v100-sxm2-32gb")
+    a100, a100_convs = conv_ops("a100-sxm4-80gb")
+    assert v100_convs.any() and v100.simt[v100_convs].all()
+    assert a100_convs.any() and not a100.simt[a100_convs].any()
+
+    def conv_seconds(ops, convs, efficiency):
+        constants = _no_host(constants_for(PROFILES["a100-sxm4-80gb"]))
+        constants = dataclasses.replace(constants, gpu=dataclasses.replace(constants.gpu, conv_efficiency=efficiency))
+        only = {name: getattr(ops, name)[convs] for name in ("count", "flops", "bytes", "kernels", "phase", "issuer",
+                                                             "aligned", "op_class", "fused", "simt", "achievable",
+                                                             "datasheet", "streaming")}
+        return step_time(dataclasses.replace(ops, **only), constants).step_s
+
+    assert conv_seconds(v100, v100_convs, 0.25) == pytest.approx(conv_seconds(v100, v100_convs, 1.0))
+    assert conv_seconds(a100, a100_convs, 0.25) > 2 * conv_seconds(a100, a100_convs, 1.0)
 
 
 def test_amd_gpus_are_costed_with_amd_constants_never_nvidias_fit():
