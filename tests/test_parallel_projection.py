@@ -287,6 +287,30 @@ def test_expert_parallel_ranks_hold_their_experts_and_exchange_every_moe_layers_
     assert sharded.memory.peak_allocated < spread.memory.peak_allocated
 
 
+def test_expert_parallel_stages_of_a_pipeline_hold_their_stages_experts_and_exchange_their_layers_tokens():
+    from harness.project.expert_parallel import all_to_all_bytes, expert_figures
+    from suites.workloads import get_workload
+
+    stack = "expert-parallel:e=8+pipeline-parallel:p=4+fsdp+amp-bf16+checkpointing"
+    staged = _projected(stack, 32, size="mixtral-8x7b", batch=32)
+    alone = _projected("expert-parallel:e=8+fsdp+amp-bf16+checkpointing", 8, size="mixtral-8x7b", batch=8)
+    assert staged.status == "ok" and staged.speed.step_time_ms_p50 > 0
+    workload = get_workload("gpt")
+    full = workload.size("mixtral-8x7b")
+    stage = workload.with_depth(full, 8)  # 8 of 32 blocks, traced with the embeddings and the head
+    _, _, replicated = expert_figures(workload, stage, 8, 4096)
+    experts = 8 * 8 * 3 * 4096 * 14336  # the stage's 8 MoE layers' 8 experts
+    # FSDP over the stage's 8 ranks shards what is not an expert; each rank keeps 1 of the 8 experts per layer.
+    assert staged.memory.params == pytest.approx(4 * (replicated / 8 + experts / 8), rel=1e-6)
+    assert 0.25 < staged.memory.params / alone.memory.params < 0.3
+    # The stage's 8 MoE layers exchange one micro-batch's tokens (1 x 4096), half again for the recompute.
+    layers, buffer, _ = expert_figures(workload, stage, 8, 4096)
+    per_micro = all_to_all_bytes(8, layers, buffer, 2) * 1.5
+    assert layers == 8 and f"expert parallel sends {per_micro / 2**20:,.1f} MiB per micro-batch" in "; ".join(
+        staged.notes)
+    assert "4-stage 1F1B pipeline (4 micro-batches) x 8-way expert x 8-way fsdp on 32 GPUs" in staged.notes[0]
+
+
 def test_expert_parallelism_on_a_model_it_cannot_spread_says_why():
     dense = _projected("expert-parallel+amp-bf16", 2, size="gpt-7b", batch=2)
     assert dense.status == "unsupported" and "no mixture-of-experts layers" in dense.reason
@@ -316,7 +340,9 @@ def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
     ("tensor-parallel:t=2+amp-bf16", 8, "no data-parallel or sharding technique"),
     ("tensor-parallel+pipeline-parallel:p=2+fsdp", 8, "give --tp N"),
     ("pipeline-parallel:p=5+amp-bf16", 5, "96 blocks do not split into 5"),
-    ("expert-parallel+tensor-parallel:t=2", 8, "combined with tensor-parallel it is not yet"),
+    ("expert-parallel+tensor-parallel:t=2", 8, "combined with tensor-parallel is not projected yet"),
+    ("expert-parallel+pipeline-parallel:p=4+fsdp", 32, "needs both degrees: give --ep N --pp M"),
+    ("expert-parallel:e=8+pipeline-parallel:p=2+fsdp", 32, "of each of the 2 pipeline stages"),
     ("pipeline-parallel:p=4:m=2+amp-bf16", 4, "1F1B needs at least as many micro-batches as stages"),
 ])
 def test_layouts_that_do_not_add_up_say_why(stack, world, message):

@@ -15,7 +15,8 @@ techniques move:
   `fsdp-zero2` keeps the parameters gathered from forward to backward; `cpu-offload` holds FSDP's shards
   in host memory (host_bytes) and only gathered blocks on the device.
 - expert parallelism over e ranks: the rank's E / e experts are traced on every rank's tokens for them
-  (harness/project/expert_parallel.py), the rest replicated or sharded by a data-parallel technique.
+  (harness/project/expert_parallel.py), the rest replicated or sharded by a data-parallel technique; with
+  a pipeline, each stage's data-parallel ranks are its expert-parallel ones.
 The step adds the communication the schedule cannot hide (harness/project/communication.py) and the
 pipeline's bubble.
 """
@@ -130,7 +131,7 @@ def layout_of(cell: ResolvedCell) -> Layout:
                           "--world-size N")
     world = cell.cell.world_size
     if "expert-parallel" in parallel:
-        return _expert_layout(parallel, world)
+        return _expert_layout(cell, parallel, world)
     data = next((name for name in parallel if name in DATA_PARALLEL), None)
     alone = len(set(parallel) - {"sequence-parallel"}) == 1  # it shards within tensor-parallel groups
     tp = degree(parallel["tensor-parallel"], "t") if "tensor-parallel" in parallel else 1
@@ -159,19 +160,43 @@ def layout_of(cell: ResolvedCell) -> Layout:
                   sequence_parallel="sequence-parallel" in parallel)
 
 
-def _expert_layout(parallel: dict, world: int) -> Layout:
+def _expert_layout(cell: ResolvedCell, parallel: dict, world: int) -> Layout:
     """Expert parallelism: e ranks, each with E / e experts, the rest replicated and trained data-parallel
     on each rank's slice of the batch, or sharded over the same ranks by a data-parallel technique
-    (`expert-parallel+fsdp`: FSDP shards what is not an expert)."""
-    others = set(parallel) - {"expert-parallel"}
+    (`expert-parallel+fsdp`: FSDP shards what is not an expert). With a pipeline, each of its p stages has
+    its own e ranks (world = e x p): a stage's MoE layers exchange tokens among the ranks of that stage,
+    which are its data-parallel ranks too (as torchtitan's expert parallelism borrows its ranks from data
+    parallelism)."""
+    others = set(parallel) - {"expert-parallel", "pipeline-parallel"}
+    if "tensor-parallel" in others or "sequence-parallel" in others:
+        raise Unsupported("expert-parallel combined with tensor-parallel is not projected yet (the experts would "
+                          "need tensor parallelism of their own): project expert-parallel with pipeline-parallel "
+                          "and a data-parallel technique, or tensor-parallel without expert-parallel")
     if others - DATA_PARALLEL or len(others) > 1:
-        raise Unsupported("expert-parallel is projected alone or with one data-parallel or sharding technique over "
-                          f"the same ranks; combined with {', '.join(sorted(others))} it is not yet")
-    ep = degree(parallel["expert-parallel"], "e") or world
-    if ep != world:
-        raise Unsupported(f"expert-parallel:e={ep} on {world} GPUs: give --ep N alone (the world is its ranks)")
+        raise Unsupported("expert-parallel is projected with pipeline-parallel and one data-parallel or sharding "
+                          f"technique over the same ranks; combined with {', '.join(sorted(others))} it is not yet")
+    pipeline = options_of(parallel["pipeline-parallel"]) if "pipeline-parallel" in parallel else None
+    ep = degree(parallel["expert-parallel"], "e")
+    pp = pipeline.stages if pipeline else 1
+    if pipeline and (ep is None or pp is None):
+        raise Unsupported("expert-parallel combined with pipeline-parallel needs both degrees: give --ep N --pp M")
+    ep = ep or world
+    if ep * pp != world:
+        raise Unsupported(f"expert-parallel:e={ep} on {world} GPUs: the world is the expert-parallel ranks"
+                          + (f" of each of the {pp} pipeline stages (give --ep N --pp M for N x M GPUs)" if pipeline
+                             else " (give --ep N alone)"))
     data = next(iter(others), None)
-    return Layout(dp=ep, ep=ep, data_technique=data, gather_dtype=option_value(parallel.get(data), "mp"))
+    micro = in_flight = 1
+    if pipeline and pp > 1:
+        per_pipeline = cell.batch_size // ep if cell.batch_size % ep == 0 else None
+        micro = pipeline.micro_batches_for(pp, per_pipeline)
+        if pipeline.schedule == "1f1b" and micro < pp:
+            raise Unsupported(f"1F1B needs at least as many micro-batches as stages ({micro} < {pp}): give a batch of "
+                              f"{pp * ep} or more, pipeline-parallel:m=N, or schedule=gpipe")
+        in_flight = pipeline.in_flight(pp, per_pipeline)
+    return Layout(dp=ep, ep=ep, pp=pp, micro_batches=micro, in_flight=in_flight,
+                  schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data,
+                  gather_dtype=option_value(parallel.get(data), "mp"))
 
 
 def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
@@ -410,7 +435,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     replicated, own = trace.param_count, (0, 0, 0)
     if layout.ep > 1:
         tokens = local.batch_size * (local.spec.seq_len or 1)
-        moe, buffer, replicated = expert_figures(local.workload, cell.spec, layout.ep, tokens)
+        moe, buffer, replicated = expert_figures(local.workload, local.spec, layout.ep, tokens)  # the stage's
         mine = max(0, trace.param_count - replicated) / max(1, trace.param_count)  # this rank's experts' share
         own = tuple(round(size * mine) for size in states)
     element, stream = ACTIVATION_BYTES.get(trace.precision, 4), STREAM_BYTES.get(trace.precision, 4)
@@ -460,7 +485,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         # What is not an expert trains data-parallel (all-reduced as DDP would) or sharded over the same ranks.
         share = replicated / max(1, trace.param_count)
         sent = collective_bytes(technique or "data-parallel", layout.ep, round(memory.params * share),
-                                round(reduced_grads * share), passes, root)
+                                round(reduced_grads * share), passes, root, pipelined=layout.pp > 1)
         if technique is None:
             # expert-parallel's own averaging: every backward's gradients all-reduced one parameter at a time,
             # synchronously (suites/techniques/expert.py), after each micro-batch: nothing hides it.
