@@ -323,3 +323,22 @@ def test_experts_spread_over_two_ranks_give_the_single_process_losses(tmp_path):
     assert sharded["losses"] == pytest.approx(single["losses"], rel=1e-5)
     rest = single["local_params"] - experts
     assert sharded["local_params"] == experts // 2 + rest // 2
+
+
+def test_expert_parallel_ranks_inside_two_pipelines_sharded_by_fsdp_give_the_single_process_losses(tmp_path):
+    # 4 ranks on a (pp=2, dp=2) mesh: 2 pipelines of 2 stages, each stage's MoE layer spreading its 4 experts
+    # over the stage's 2 ranks (one per pipeline), which exchange their tokens; FSDP2 shards the rest over them.
+    single = losses("baseline", "moe-smoke")
+    result = _worker("expert-parallel:e=2+pipeline-parallel:p=2+fsdp", tmp_path,
+                     [*TORCHRUN, "--standalone", "--nproc-per-node=4"], "moe-smoke")
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    from suites.workloads import get_workload
+
+    workload = get_workload("gpt")
+    model = workload.build(workload.size("moe-smoke"))
+    first = [model.blocks[0], model.wte, model.wpe]  # rank 0: the first stage
+    experts = sum(p.numel() for p in model.blocks[0].mlp.expert_parameters())
+    rest = sum(p.numel() for module in first for p in module.parameters()) - experts
+    assert result["local_params"] == experts // 2 + rest // 2  # its 2 of 4 experts, half of the rest
+    assert result["comm"] > 0
+

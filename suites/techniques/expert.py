@@ -21,27 +21,42 @@ def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if hasattr(module, "keep_experts")]
 
 
-def _averaged(world: int, reduce: bool):
+def _averaged(world: int, reduce: bool, group=None):
     """A hook on each backward's gradient, before it is accumulated (so gradient accumulation sums
-    averages): averaged over ranks, all-reduced for a replicated parameter; an expert's gradient already
-    holds every rank's tokens' part, so it is only divided."""
+    averages): averaged over the `group`'s `world` ranks, all-reduced for a replicated parameter; an expert's
+    gradient already holds every rank's tokens' part, so it is only divided."""
     import torch.distributed as dist
 
     def hook(gradient: torch.Tensor) -> torch.Tensor:
         if reduce:
             gradient = gradient.clone()
-            dist.all_reduce(gradient)
+            dist.all_reduce(gradient, group=group)
         return gradient / world
 
     return hook
 
 
+def _expert_ranks(run: Run, dist) -> tuple[int, int, object]:
+    """(ranks the experts spread over, this rank's index among them, their process group: None for all).
+    Inside pipeline stages, a stage's ranks across the pipelines side by side (the `dp` dimension of the
+    pipeline's (pp, dp) mesh): each stage's MoE layers exchange tokens among the ranks holding that stage."""
+    if run.pipeline is None:
+        return dist.get_world_size(), dist.get_rank(), None
+    names = run.mesh.mesh_dim_names if run.mesh is not None else ()
+    if names != ("pp", "dp"):
+        raise Unsupported("expert-parallel inside pipeline stages needs pipelines side by side (world = e x p: "
+                          "expert-parallel:e=E+pipeline-parallel:p=P on E x P ranks)"
+                          + ("; with tensor-parallel stages it is not built" if "tp" in (names or ()) else ""))
+    ranks = run.mesh["dp"]
+    return ranks.size(), ranks.get_local_rank(), ranks.get_group()
+
+
 def _apply(run: Run, ranks: int | None) -> None:
     dist = distributed()
-    world = dist.get_world_size()
+    world, rank, group = _expert_ranks(run, dist)
     if ranks is not None and ranks != world:
-        raise Unsupported(f"expert-parallel:e={ranks} on {world} ranks (expert groups inside data-parallel ones) is "
-                          f"projected only; measure it on --world-size {ranks}")
+        raise Unsupported(f"expert-parallel:e={ranks} over {world} ranks (expert groups inside data-parallel ones) is "
+                          f"projected only; measure it with e equal to the data-parallel ranks ({world})")
     layers = moe_layers(run.model)
     if not layers:
         raise Unsupported(f"{run.workload.name} {run.size.name} has no mixture-of-experts layers: pick a MoE size "
@@ -52,26 +67,31 @@ def _apply(run: Run, ranks: int | None) -> None:
     if run.batch_size % (world * run.micro_batches):
         raise Unsupported(f"the global batch {run.batch_size} does not split into {world} ranks x "
                           f"{run.micro_batches} micro-batches")
-    exchange = ExpertExchange(world)
+    exchange = ExpertExchange(world, group=group)
     for layer in layers:
-        layer.keep_experts(dist.get_rank(), exchange)
+        layer.keep_experts(rank, exchange)
     run.model.to(rank_device(run))
     run.placed = True
-    run.data_parallel = world
+    run.data_parallel, run.data_rank = world, (rank if group is not None else None)
     owned = {id(p) for layer in layers for p in layer.expert_parameters()}
     for parameter in run.model.parameters():
         if parameter.requires_grad:
-            parameter.register_hook(_averaged(world, reduce=id(parameter) not in owned))
-    tokens = run.batch_size // world * (run.size.seq_len or 1)
+            parameter.register_hook(_averaged(world, reduce=id(parameter) not in owned, group=group))
+    # Each backward pass exchanges (and all-reduces) once: a pipeline's micro-batches, or accumulated passes.
+    passes = run.pipeline.micro_batches if run.pipeline is not None else run.micro_batches
+    tokens = run.batch_size // world // (passes if run.pipeline is not None else 1) * (run.size.seq_len or 1)
     width = run.size.config.get("n_embd", 0)
     buffer = experts * layers[0].capacity(tokens) * width * 4  # fp32 bytes of one capacity buffer
     replicated = sum(p.numel() * p.element_size() for p in run.model.parameters() if id(p) not in owned)
     share = (world - 1) / world
+    exchanges = passes if run.pipeline is not None else 1
     # The hooks all-reduce the replicated gradients in every backward: once per accumulated pass.
-    run.comm_bytes_per_step = int(4 * len(layers) * share * buffer + 2 * share * replicated * run.micro_batches)
-    run.notes.append(f"expert parallel over {world} ranks: {experts // world} of {experts} experts per rank in "
-                     f"{len(layers)} MoE layers, tokens exchanged by all-to-all; the rest replicated, its gradients "
-                     "all-reduced (each backward, unbucketed)")
+    run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + int(4 * len(layers) * share * buffer * exchanges
+                                                                   + 2 * share * replicated * passes)
+    run.notes.append(f"expert parallel over {world} ranks" + (" of each pipeline stage" if group is not None else "")
+                     + f": {experts // world} of {experts} experts per rank in {len(layers)} MoE layers, tokens "
+                     "exchanged by all-to-all; the rest replicated, its gradients all-reduced (each backward, "
+                     "unbucketed)")
 
 
 def _check(profile, workload, mode):

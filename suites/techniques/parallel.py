@@ -170,7 +170,9 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
     gathered_bytes = root + block_gathers * (params - root)
     # Tensor parallelism's and the pipeline's bytes stay; so do expert parallelism's all-to-alls, but its
     # all-reduce of the rest is now FSDP's gathers and scatters.
-    kept = (run.comm_bytes_per_step or 0) - (int(2 * (world - 1) / world * trained) if experts else 0)
+    # (The expert technique's all-reduces ran in each backward pass: a pipeline's micro-batches, or accumulated ones.)
+    expert_passes = run.pipeline.micro_batches if run.pipeline else run.micro_batches
+    kept = (run.comm_bytes_per_step or 0) - (int(2 * (world - 1) / world * trained * expert_passes) if experts else 0)
     passes = 1 if run.pipeline else run.micro_batches  # FSDP2 gathers and scatters in each accumulated pass
     run.comm_bytes_per_step = kept + int((world - 1) / world * passes * (gathered_bytes + trained))
     run.notes.append(f"FSDP2 over {world} data-parallel ranks, {len(blocks)} blocks sharded one by one"
