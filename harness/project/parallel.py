@@ -477,8 +477,12 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     sent = collective_bytes(technique, layout.dp, memory.params, reduced_grads, passes, root,
                             pipelined=layout.pp > 1)
     tied = _tied_bytes(model, local.workload, layout, reduced_grads / max(1, trace.param_count))
-    pipeline, tied_sent = pipeline_bytes(layout.pp, elements * stream, layout.micro_batches, tied)
-    per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed),
+    # Under sequence parallelism a stage sends its tensor-parallel rank's part of the sequence.
+    sent_stream = elements * stream // (layout.tp if layout.sequence_parallel else 1)
+    pipeline, tied_sent = pipeline_bytes(layout.pp, sent_stream, layout.micro_batches, tied)
+    ends = (2 if layout.pp == 1 else 1) if layout.sequence_parallel else 0  # of the cut sequence, on this rank
+    per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream,
+                                                 layers if recomputed else 0, ends),
                  "pipeline": pipeline, "expert": 0.0}
     if layout.ep > 1:
         per_micro["expert"] = all_to_all_bytes(layout.ep, moe, buffer, element) * (1 + 0.5 * recomputed)

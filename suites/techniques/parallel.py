@@ -288,8 +288,11 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     run.placed = True
     activations = run.size.seq_len * run.size.config.get("n_embd", 0) * 4  # fp32 bytes per sample
     groups = world // ranks  # each group runs its data-parallel slice of the batch
-    # Each row-parallel output is all-reduced forward and its input's gradient backward: two per module.
-    run.comm_bytes_per_step = int(2 * (ranks - 1) / ranks * activations * run.batch_size // groups * 2 * sharded)
+    # Each row-parallel output is all-reduced forward and its input's gradient backward: two per module. With
+    # sequence parallelism each all-reduce is a reduce-scatter and an all-gather (the same bytes), and the
+    # sequence's cut adds two gathers: the final norm's output forward, the entry's gradient backward.
+    unit = (ranks - 1) / ranks * activations * run.batch_size // groups
+    run.comm_bytes_per_step = int(2 * unit * 2 * sharded + (2 * unit if sequence else 0))
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
                      f"projections row-parallel and all-reduced; embeddings and norms replicated"
@@ -302,19 +305,25 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
 def _shard_sequence(model: torch.nn.Module, workload, mesh) -> None:
     """Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198) on a pre-norm model: the residual
     stream is cut along the sequence where it starts, each norm runs on its rank's part (PyTorch's
-    SequenceParallel) and all-gathers its output for the tensor-parallel region it feeds."""
+    SequenceParallel) and all-gathers its output for the tensor-parallel region it feeds.
+
+    A block's norm hands the gathered output on as a DTensor, as torchtitan's plans do: the column-parallel
+    layers' input gradient (partial sums on each rank) then goes back through the gather as a
+    reduce-scatter, where a plain tensor in between would make it a full all-reduce (counted on gloo: 1.38x
+    the bytes). The final norm feeds the replicated head a plain tensor."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel, parallelize_module
 
     entry = workload.traits.residual_entry
     parallelize_module(model, mesh, {entry: PrepareModuleOutput(
         output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True)})
-    norms = [name for name, module in model.named_modules()
+    inside = {id(module) for block in workload.blocks(model) for module in block.modules()}
+    norms = [(name, id(module) in inside) for name, module in model.named_modules()
              if isinstance(module, torch.nn.LayerNorm | torch.nn.RMSNorm)]
-    for name in norms:
+    for name, in_block in norms:
         parallelize_module(model, mesh, {name: SequenceParallel()})
         parallelize_module(model, mesh, {name: PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)})
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=not in_block)})
 
 
 def _sequence_parallel(run: Run) -> None:

@@ -162,8 +162,6 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     if tensor > 1 and world % (stages * tensor):
         raise Unsupported(f"{stages} stages of {tensor} tensor-parallel ranks do not divide {world} ranks into "
                           "pipelines side by side")
-    if tensor > 1 and run.sequence_parallel:
-        raise Unsupported("sequence-parallel inside pipeline stages is not built: drop one of them")
     if world % stages:
         raise Unsupported(f"{world} ranks do not split into pipelines of {stages} stages")
     # Side by side, each on its data-parallel slice (a sharding technique splits it); a stage's
@@ -210,16 +208,24 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     tied = [dist.new_group([j, (stages - 1) * inner + j]) for j in range(inner)] if stages > 1 else []
     run.pipeline = PipelineRunner(run, index, stages, options, tied[line] if tied and index in (0, stages - 1)
                                   else None, group, pipelines)
-    # Activations go on to the next stage, their gradients back to the previous one (the fp32 residual stream).
-    activation = batch * (run.size.seq_len or 0) * run.size.config.get("n_embd", 0) * 4
+    # Activations go on to the next stage, their gradients back to the previous one (the fp32 residual stream;
+    # under sequence parallelism each tensor-parallel rank's part of the sequence).
+    sequence = tensor if run.sequence_parallel else 1
+    activation = batch * (run.size.seq_len or 0) * run.size.config.get("n_embd", 0) * 4 // sequence
     # Tensor parallelism counted its all-reduces for every block on a 1/stages slice of the batch: a stage
     # holds 1/stages of the blocks on the whole batch, the same bytes.
     # The first and last stages also all-reduce the tied weight's gradient between them (2 (n - 1) / n of it on
     # n = 2 ranks: its bytes), sharded over the pipelines by the data-parallel technique they need.
     tied_bytes = sum(p.numel() * p.element_size() for p in getattr(run.model, "tied_parameters", list)()) \
         if stages > 1 else 0
+    # Sequence parallelism's two gathers at the sequence's ends happen on the first stage (the entry's
+    # gradient) and the last (the final norm's output) only, on the pipeline's batch; tensor parallelism
+    # counted both on a 1/stages slice of it.
+    ends = (index == 0) + (index == stages - 1)
+    whole = (tensor - 1) / tensor * activation * sequence  # one gather of the pipeline's stream
+    moved = whole * (ends - 2 / stages) if run.sequence_parallel and tensor > 1 else 0
     run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + activation * ((index < stages - 1) + (index > 0)) \
-        + tied_bytes // pipelines
+        + tied_bytes // pipelines + int(moved)
     run.notes.append(f"stage {index + 1} of {stages} ({options.schedule.upper()}, {micro} micro-batches of "
                      f"{batch // micro}; torch.distributed.pipelining): its blocks"
                      + (", the embeddings" if index == 0 else "") + (", the head" if index == stages - 1 else "")
