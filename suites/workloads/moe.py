@@ -30,7 +30,9 @@ class ExpertExchange:
 
     def _all_to_all(self, parts: torch.Tensor) -> torch.Tensor:
         if not self.communicate:
-            return parts
+            # A fresh tensor, as the collective's output is: the send buffer and what arrives are both live
+            # while it runs (the projection's memory counts both).
+            return parts.clone()
         from torch.distributed.nn.functional import all_to_all_single
 
         parts = parts.contiguous()
