@@ -91,26 +91,27 @@ def data_parallel_windows(technique: str | None, forward_s: float, backward_s: f
 
 
 def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: int, stream_bytes: int,
-                          recomputed_blocks: int = 0, sequence_ends: int = 0) -> float:
+                          recomputed: bool = False, skipped_outputs: int = 0, sequence_ends: int = 0) -> float:
     """Bytes each tensor-parallel rank sends per micro-batch: every row-parallel output (`elements` of
     `output_bytes`) is all-reduced in the forward and the gradient of every column-parallel input (the
     norm's output, `stream_bytes`) in the backward, with no compute to hide under (Megatron's f and g
-    operators, Shoeybi et al. 2019, figure 3). Checkpointing `recomputed_blocks` blocks all-reduces their
-    row-parallel outputs again, but for each block's last: non-reentrant checkpointing stops recomputing once
-    the tensors the backward needs are back, and the last output only feeds the residual add (counted on gloo).
+    operators, Shoeybi et al. 2019, figure 3). Checkpointing (`recomputed`) all-reduces the row-parallel
+    outputs again but `skipped_outputs`: non-reentrant checkpointing stops recomputing once the tensors the
+    backward needs are back, so a block's last output, which only feeds the residual add, is not (counted
+    on gloo).
 
     Sequence parallelism (`sequence_ends`: the ends of the cut sequence this rank holds, 2 for the whole
     model, 1 for a pipeline's end stage) all-gathers each norm's output and reduce-scatters each row-parallel
     output forward, their transposes backward: per module (t - 1) / t of one activation each, the same bytes
-    as the all-reduces; a recomputed block gathers every norm's output again and scatters all but its last
-    output; each end of the cut gathers the stream once more (the final norm's output forward, the entry's
+    as the all-reduces; a recomputed block gathers every norm's output again and scatters its outputs but the
+    skipped; each end of the cut gathers the stream once more (the final norm's output forward, the entry's
     gradient backward)."""
     if tp == 1:
         return 0.0
     share = (tp - 1) / tp * elements
-    outputs_again = sharded - recomputed_blocks if recomputed_blocks else 0  # row-parallel outputs recomputed
+    outputs_again = sharded - skipped_outputs if recomputed else 0  # row-parallel outputs recomputed
     if sequence_ends:
-        gathers = 2 * sharded + (sharded if recomputed_blocks else 0)  # stream: norms' outputs, their gradients
+        gathers = 2 * sharded + (sharded if recomputed else 0)  # stream: norms' outputs, their gradients
         return share * (gathers * stream_bytes + (2 * sharded + outputs_again) * output_bytes
                         + sequence_ends * stream_bytes)
     return 2 * share * ((sharded + outputs_again) * output_bytes + sharded * stream_bytes)

@@ -480,9 +480,15 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     # Under sequence parallelism a stage sends its tensor-parallel rank's part of the sequence.
     sent_stream = elements * stream // (layout.tp if layout.sequence_parallel else 1)
     pipeline, tied_sent = pipeline_bytes(layout.pp, sent_stream, layout.micro_batches, tied)
-    ends = (2 if layout.pp == 1 else 1) if layout.sequence_parallel else 0  # of the cut sequence, on this rank
-    per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream,
-                                                 layers if recomputed else 0, ends),
+    # The ends of the cut sequence on the stage costed: both without a pipeline, one on an end stage, none on a
+    # middle one (the stage that sends most where pipeline_bytes chose it).
+    middle = layout.pp > 2 and pipeline == 2.0 * sent_stream
+    ends = (2 if layout.pp == 1 else 0 if middle else 1) if layout.sequence_parallel else 0
+    # A recomputed block's last row-parallel output is skipped where it only feeds the residual add: both the
+    # attention and the MLP sharded (the MLP's output last), and no dropout mask to recompute it for.
+    skipped = layers if sharded >= 2 * layers and not local.spec.config.get("dropout") else 0
+    per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed,
+                                                 skipped, ends),
                  "pipeline": pipeline, "expert": 0.0}
     if layout.ep > 1:
         per_micro["expert"] = all_to_all_bytes(layout.ep, moe, buffer, element) * (1 + 0.5 * recomputed)

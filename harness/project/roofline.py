@@ -70,7 +70,7 @@ class OpArrays:
     aligned: np.ndarray     # bool: GEMM dimensions on the tensor-core granule
     op_class: np.ndarray    # index into _CLASS_INDEX
     fused: np.ndarray       # bool: an elementwise op inside a compiled kernel (the trace saw the fusion)
-    simt: np.ndarray        # bool: runs on a GPU's CUDA cores (fp32 without TF32), not its tensor cores
+    simt: np.ndarray        # bool: an NVIDIA GPU's CUDA cores (fp32 without TF32), not its tensor cores
     achievable: np.ndarray  # measured achievable FLOP/s of the op's dtype, nan where unmeasured
     datasheet: np.ndarray   # dense datasheet FLOP/s of the op's dtype, nan where unknown (0 for no FLOPs)
     sm_count: int
@@ -98,7 +98,7 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
             simt.append(False)
             continue
         name = peak_name(profile, shape.dtype, convolution=shape.op_class == "conv", tf32_matmul=tf32_matmul)
-        simt.append(name == "fp32" and profile.vendor != "cpu")
+        simt.append(name == "fp32" and profile.vendor == "nvidia")  # AMD runs fp32 on its matrix cores
         achievable.append(profile.achievable_flops.get(name, np.nan) if name else np.nan)
         datasheet.append(profile.peak(name) or np.nan if name else np.nan)
     notes = []

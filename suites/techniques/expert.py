@@ -40,15 +40,30 @@ def _expert_ranks(run: Run, dist) -> tuple[int, int, object]:
     """(ranks the experts spread over, this rank's index among them, their process group: None for all).
     Inside pipeline stages, a stage's ranks across the pipelines side by side (the `dp` dimension of the
     pipeline's (pp, dp) mesh): each stage's MoE layers exchange tokens among the ranks holding that stage."""
+    from torch.distributed.tensor import DTensor
+
+    names = (run.mesh.mesh_dim_names or ()) if run.mesh is not None else ()
+    if "tp" in names or any(isinstance(p, DTensor) for p in run.model.parameters()):
+        raise Unsupported("expert-parallel with tensor-parallel is not built (the experts would need tensor "
+                          "parallelism of their own): drop one of them")
     if run.pipeline is None:
         return dist.get_world_size(), dist.get_rank(), None
-    names = run.mesh.mesh_dim_names if run.mesh is not None else ()
     if names != ("pp", "dp"):
         raise Unsupported("expert-parallel inside pipeline stages needs pipelines side by side (world = e x p: "
-                          "expert-parallel:e=E+pipeline-parallel:p=P on E x P ranks)"
-                          + ("; with tensor-parallel stages it is not built" if "tp" in (names or ()) else ""))
+                          "expert-parallel:e=E+pipeline-parallel:p=P on E x P ranks)")
     ranks = run.mesh["dp"]
     return ranks.size(), ranks.get_local_rank(), ranks.get_group()
+
+
+def whole_tied_bytes(run: Run, pipelines: int) -> int:
+    """What a pipeline's end stage sends beyond its count of the tied weight's all-reduce when no sharding
+    technique shards that weight over the `pipelines` side by side."""
+    if run.pipeline is None or run.pipeline.tied_group is None:
+        return 0
+    from suites.techniques.pipeline import stage_tied_bytes
+
+    tied = stage_tied_bytes(run.model)
+    return tied - tied // pipelines
 
 
 def _apply(run: Run, ranks: int | None) -> None:
@@ -82,12 +97,16 @@ def _apply(run: Run, ranks: int | None) -> None:
     tokens = run.batch_size // world // (passes if run.pipeline is not None else 1) * (run.size.seq_len or 1)
     width = run.size.config.get("n_embd", 0)
     buffer = experts * layers[0].capacity(tokens) * width * 4  # fp32 bytes of one capacity buffer
-    replicated = sum(p.numel() * p.element_size() for p in run.model.parameters() if id(p) not in owned)
+    replicated = sum(p.numel() * p.element_size() for p in run.model.parameters()
+                     if id(p) not in owned and p.requires_grad)  # what the hooks all-reduce
     share = (world - 1) / world
     exchanges = passes if run.pipeline is not None else 1
+    # The pipeline counted its end stages' all-reduce of a tied weight's gradient sharded over the pipelines,
+    # as the sharding technique it needs would shard it; expert parallelism keeps it whole (fsdp takes this off).
+    whole_tied = whole_tied_bytes(run, world)
     # The hooks all-reduce the replicated gradients in every backward: once per accumulated pass.
     run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + int(4 * len(layers) * share * buffer * exchanges
-                                                                   + 2 * share * replicated * passes)
+                                                                   + 2 * share * replicated * passes) + whole_tied
     run.notes.append(f"expert parallel over {world} ranks" + (" of each pipeline stage" if group is not None else "")
                      + f": {experts // world} of {experts} experts per rank in {len(layers)} MoE layers, tokens "
                      "exchanged by all-to-all; the rest replicated, its gradients all-reduced (each backward, "

@@ -121,7 +121,7 @@ GATHER_DTYPES = {"bf16": torch.bfloat16}
 def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None = None) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from suites.techniques.expert import moe_layers  # it builds on this module
+    from suites.techniques.expert import moe_layers, whole_tied_bytes  # it builds on this module
 
     dist = distributed()
     _splits_batch(run, dist, sharded=True)
@@ -172,7 +172,8 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
     # all-reduce of the rest is now FSDP's gathers and scatters.
     # (The expert technique's all-reduces ran in each backward pass: a pipeline's micro-batches, or accumulated ones.)
     expert_passes = run.pipeline.micro_batches if run.pipeline else run.micro_batches
-    kept = (run.comm_bytes_per_step or 0) - (int(2 * (world - 1) / world * trained * expert_passes) if experts else 0)
+    kept = (run.comm_bytes_per_step or 0) - (int(2 * (world - 1) / world * trained * expert_passes)
+                                             + whole_tied_bytes(run, world) if experts else 0)
     passes = 1 if run.pipeline else run.micro_batches  # FSDP2 gathers and scatters in each accumulated pass
     run.comm_bytes_per_step = kept + int((world - 1) / world * passes * (gathered_bytes + trained))
     run.notes.append(f"FSDP2 over {world} data-parallel ranks, {len(blocks)} blocks sharded one by one"

@@ -216,8 +216,7 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     # holds 1/stages of the blocks on the whole batch, the same bytes.
     # The first and last stages also all-reduce the tied weight's gradient between them (2 (n - 1) / n of it on
     # n = 2 ranks: its bytes), sharded over the pipelines by the data-parallel technique they need.
-    tied_bytes = sum(p.numel() * p.element_size() for p in getattr(run.model, "tied_parameters", list)()) \
-        if stages > 1 else 0
+    tied_bytes = stage_tied_bytes(run.model) if stages > 1 else 0
     # Sequence parallelism's two gathers at the sequence's ends happen on the first stage (the entry's
     # gradient) and the last (the final norm's output) only, on the pipeline's batch; tensor parallelism
     # counted both on a 1/stages slice of it.
@@ -231,6 +230,11 @@ def _apply(run: Run, options: PipelineOptions) -> None:
                      + (", the embeddings" if index == 0 else "") + (", the head" if index == stages - 1 else "")
                      + (f"; {pipelines} pipelines side by side" if pipelines > 1 else "")
                      + (f"; each stage {tensor} tensor-parallel ranks" if tensor > 1 else ""))
+
+
+def stage_tied_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights this stage shares with another (a tied embedding on a pipeline's end stages)."""
+    return sum(p.numel() * p.element_size() for p in getattr(model, "tied_parameters", list)())
 
 
 def _declare(run: Run, options: PipelineOptions) -> None:
