@@ -148,16 +148,24 @@ def layout_of(cell: ResolvedCell) -> Layout:
     if dp > 1 and data is None:
         raise Unsupported(f"{world} GPUs leave {dp} data-parallel groups of {tp * pp}, but the stack has no "
                           "data-parallel or sharding technique: add data-parallel, zero1 or fsdp, or give --dp 1")
-    per_pipeline = cell.batch_size // dp if cell.batch_size % dp == 0 else None
-    micro = pipeline.micro_batches_for(pp, per_pipeline) if pipeline and pp > 1 else 1
-    if pipeline and pp > 1 and pipeline.schedule == "1f1b" and micro < pp:
-        raise Unsupported(f"1F1B needs at least as many micro-batches as stages ({micro} < {pp}): give a batch of "
-                          f"{pp * dp} or more, pipeline-parallel:m=N, or schedule=gpipe")
-    in_flight = pipeline.in_flight(pp, per_pipeline) if pipeline and pp > 1 else 1
+    micro, in_flight = _schedule(pipeline, pp, dp, cell.batch_size)
     return Layout(dp=dp, tp=tp, pp=pp, micro_batches=micro, in_flight=in_flight,
                   schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data,
                   gather_dtype=option_value(parallel.get(data), "mp"),
                   sequence_parallel="sequence-parallel" in parallel)
+
+
+def _schedule(pipeline, pp: int, dp: int, batch: int) -> tuple[int, int]:
+    """(micro-batches per step, micro-batches the first stage holds in flight) of a `pp`-stage pipeline whose
+    batch is split over `dp` data-parallel ranks; (1, 1) without a pipeline."""
+    if pipeline is None or pp == 1:
+        return 1, 1
+    per_pipeline = batch // dp if batch % dp == 0 else None
+    micro = pipeline.micro_batches_for(pp, per_pipeline)
+    if pipeline.schedule == "1f1b" and micro < pp:
+        raise Unsupported(f"1F1B needs at least as many micro-batches as stages ({micro} < {pp}): give a batch of "
+                          f"{pp * dp} or more, pipeline-parallel:m=N, or schedule=gpipe")
+    return micro, pipeline.in_flight(pp, per_pipeline)
 
 
 def _expert_layout(cell: ResolvedCell, parallel: dict, world: int) -> Layout:
@@ -186,14 +194,7 @@ def _expert_layout(cell: ResolvedCell, parallel: dict, world: int) -> Layout:
                           + (f" of each of the {pp} pipeline stages (give --ep N --pp M for N x M GPUs)" if pipeline
                              else " (give --ep N alone)"))
     data = next(iter(others), None)
-    micro = in_flight = 1
-    if pipeline and pp > 1:
-        per_pipeline = cell.batch_size // ep if cell.batch_size % ep == 0 else None
-        micro = pipeline.micro_batches_for(pp, per_pipeline)
-        if pipeline.schedule == "1f1b" and micro < pp:
-            raise Unsupported(f"1F1B needs at least as many micro-batches as stages ({micro} < {pp}): give a batch of "
-                              f"{pp * ep} or more, pipeline-parallel:m=N, or schedule=gpipe")
-        in_flight = pipeline.in_flight(pp, per_pipeline)
+    micro, in_flight = _schedule(pipeline, pp, ep, cell.batch_size)
     return Layout(dp=ep, ep=ep, pp=pp, micro_batches=micro, in_flight=in_flight,
                   schedule=pipeline.schedule if pipeline else "1f1b", data_technique=data,
                   gather_dtype=option_value(parallel.get(data), "mp"))
