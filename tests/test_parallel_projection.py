@@ -232,7 +232,8 @@ def test_the_guides_3d_question_answers_per_gpu_memory_fit_step_mfu_and_cost():
 
 
 def test_tensor_and_sequence_parallel_activations_match_korthikantis_formulas():
-    from harness.project.parallel import _activations_per_block, _sequence_sharded, layout_of, local_cell
+    from harness.project.layout import layout_of, local_cell
+    from harness.project.parallel import _activations_per_block, _sequence_sharded
 
     # GPT-3's block in fp32 at t = 8 (Korthikanti et al. 2022, table 2, in 16-bit units: tensor parallel
     # 10 + 24/t, with sequence parallelism 34/t, per s*b*h; flash attention drops the 5as/h term and this
@@ -346,7 +347,7 @@ def test_a_pipeline_holds_its_micro_batches_in_flight_and_pays_its_bubble():
     ("pipeline-parallel:p=4:m=2+amp-bf16", 4, "1F1B needs at least as many micro-batches as stages"),
 ])
 def test_layouts_that_do_not_add_up_say_why(stack, world, message):
-    from harness.project.parallel import layout_of, local_cell
+    from harness.project.layout import layout_of, local_cell
 
     cell = Cell("gpt", "gpt3-175b", "train", stack, "h100-sxm", 320, source="projected",
                 world_size=world).resolve(PROFILES)
