@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from harness.records import atomic_write
-from harness.twins import projected_reserved, twin_pairs
+from harness.twins import projected_reserved, timing_noisy, twin_pairs
 
 LEDGER_FILE = Path(__file__).resolve().parent / "data" / "ledger.csv"
 LEDGER_VERSION = 1
@@ -68,7 +68,7 @@ def pairs_from_rows(rows: list[dict], generations: dict[str, str], origin: str) 
             "projected_peak_reserved_bytes": _value(projected_reserved(projected, measured)),
             "measured_peak_allocated_bytes": _value(measured.get("peak_allocated_bytes")),
             "projected_peak_allocated_bytes": _value(projected.get("peak_allocated_bytes")),
-            "step_time_noisy": measured.get("noisy") is True or measured.get("noisy") == "True",
+            "step_time_noisy": timing_noisy(measured),
             "device_name": measured.get("device_name"), "driver_version": _value(measured.get("driver_version")),
             "torch_version": measured.get("torch_version"), "headroom_version": measured.get("git_sha"),
             "measured_at": measured.get("created_at"), "projected_by": projected.get("git_sha"), "origin": origin}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from harness.records import DEFAULT_NOISE_THRESHOLD
+
 # What makes two rows the same cell on the same device.
 KEY = ("workload", "size", "mode", "technique", "gpu", "batch_size")
 # What makes a measured row a projected row's twin: the same cell in the same run (a run measures
@@ -31,12 +33,25 @@ def projected_reserved(projected: dict, measured: dict):
     return projected.get(RESERVED_COLUMN.get(setting, "peak_reserved_bytes"))
 
 
+def timing_noisy(measured: dict) -> bool:
+    """Whether a measured row's step time is flagged noisy. A row written without the flag (an export
+    that dropped it, as the 2026-11-30 H200 check's CSV did) is judged from its recorded coefficient of
+    variation by the same threshold the runner used, as schema 2's migration does."""
+    flag = measured.get("noisy")
+    if flag is True or flag == "True":
+        return True
+    if flag is False or flag == "False":
+        return False
+    cv = pd.to_numeric(measured.get("step_time_cv"), errors="coerce")
+    return bool(cv > DEFAULT_NOISE_THRESHOLD) if pd.notna(cv) else False
+
+
 def twin_errors(projected: dict, measured: dict) -> dict[str, float | None]:
     """The error columns of a projected row against its measured twin. Only a CUDA twin has
     a caching allocator to compare the allocator model with (a CPU twin's reserved is unknown), and a
     twin whose timing is flagged noisy has no step time to compare with: its step-time error stays
     unknown rather than reflect the machine's load."""
-    noisy = measured.get("noisy") is True or measured.get("noisy") == "True"
+    noisy = timing_noisy(measured)
     return dict(
         peak_error_vs_measured=relative_error(projected["peak_allocated_bytes"], measured["peak_allocated_bytes"]),
         reserved_error_vs_measured=relative_error(projected_reserved(projected, measured),

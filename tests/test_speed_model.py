@@ -107,6 +107,29 @@ def test_convolutions_pay_the_conv_efficiency_on_tensor_cores_only():
     assert conv_seconds(a100, a100_convs, 0.25) > 2 * conv_seconds(a100, a100_convs, 1.0)
 
 
+def test_flash_attention_is_derated_on_newer_generations_and_fp32_attention_is_not():
+    """PyTorch's 16-bit fused attention is FlashAttention-2, written for Ampere: on Hopper it runs at the
+    generation's scale (0.52) of the fitted efficiency; fp32 attention on CUDA cores keeps it."""
+    assert constants_for(PROFILES["a100-sxm4-80gb"]).gpu.attention_generation_scale == 1.0
+    assert constants_for(PROFILES["h100-sxm"]).gpu.attention_generation_scale == pytest.approx(0.52)
+
+    def attention_seconds(technique, scale):
+        ops = op_arrays(traced(_cell(technique=technique)), PROFILES["h100-sxm"].per_device())
+        attention = ops.op_class == 2
+        assert attention.any()
+        constants = _no_host(constants_for(PROFILES["h100-sxm"]))
+        constants = dataclasses.replace(constants, gpu=dataclasses.replace(
+            constants.gpu, attention_generation_scale=scale, saturation_flops_per_sm=0.0,
+            bandwidth_efficiency=1e9))  # compute only: memory traffic costs nothing here
+        only = {name: getattr(ops, name)[attention] for name in (
+            "count", "flops", "bytes", "kernels", "phase", "issuer", "aligned", "op_class", "fused", "simt",
+            "achievable", "datasheet", "streaming")}
+        return step_time(dataclasses.replace(ops, **only), constants).step_s
+
+    assert attention_seconds("amp-bf16", 0.52) == pytest.approx(attention_seconds("amp-bf16", 1.0) / 0.52, rel=1e-6)
+    assert attention_seconds("baseline", 0.52) == pytest.approx(attention_seconds("baseline", 1.0), rel=1e-9)
+
+
 def test_amd_gpus_are_costed_with_amd_constants_never_nvidias_fit():
     amd = constants_for(PROFILES["mi300x"])
     nvidia = constants_for(PROFILES["h100-sxm"])

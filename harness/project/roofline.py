@@ -149,7 +149,10 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     # an A100's TF32 peak, against over half of a V100's fp32 peak on its CUDA cores. So the fitted conv
     # efficiency applies on tensor cores; a CUDA-core convolution runs at the achievable rate like a GEMM.
     conv_efficiency = np.where(ops.simt, 1.0, gpu.conv_efficiency)
-    rate = rate * np.choose(ops.op_class, [1.0, conv_efficiency, gpu.attention_efficiency, 1.0])
+    # Fused attention on tensor cores runs PyTorch's FlashAttention-2 kernel, which uses a smaller share of
+    # a newer generation's peak than of Ampere's (speed_constants.toml); fp32 attention on CUDA cores does not.
+    attention_efficiency = gpu.attention_efficiency * np.where(ops.simt, 1.0, gpu.attention_generation_scale)
+    rate = rate * np.choose(ops.op_class, [1.0, conv_efficiency, attention_efficiency, 1.0])
     rate = np.where(ops.aligned, rate, rate * gpu.unaligned_efficiency)
     saturation = gpu.saturation_flops_per_sm * ops.sm_count
     compute = np.where(has_flops, (ops.flops + saturation) / np.where(has_flops, rate, 1.0), 0.0)

@@ -26,13 +26,16 @@ class GpuConstants:
     kernel_s: float              # fixed cost of every kernel: launch to completion of the smallest one
     saturation_flops_per_sm: float  # work per SM at which a GEMM/conv reaches half its achievable rate
     conv_efficiency: float       # convolutions' rate relative to the achievable matmul rate
-    attention_efficiency: float  # fused attention's rate relative to the achievable matmul rate
+    attention_efficiency: float  # fused attention's rate relative to the achievable matmul rate (on Ampere)
     unaligned_efficiency: float  # a 16/8-bit GEMM with a dimension off the tensor-core granule, relative
     bandwidth_efficiency: float  # achievable / datasheet bandwidth where no measured figure exists
     matmul_derating: float       # achievable / datasheet matmul rate where no measured figure exists
     # achievable / datasheet bandwidth of the long sequential reads of a served decoder's matmuls (weights)
     # and attention (KV cache), where no measured copy rate exists; not fitted (no decode measured yet)
     stream_bandwidth_efficiency: float = 0.85
+    # 16-bit fused attention's efficiency on this generation relative to Ampere's (PyTorch's flash kernel
+    # is FlashAttention-2, written for Ampere); a prior with its source in speed_constants.toml, not fitted
+    attention_generation_scale: float = 1.0
     fitted: bool = False         # whether these came from a fit on measurements of this vendor
 
 
