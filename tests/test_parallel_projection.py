@@ -288,6 +288,21 @@ def test_expert_parallel_ranks_hold_their_experts_and_exchange_every_moe_layers_
     assert sharded.memory.peak_allocated < spread.memory.peak_allocated
 
 
+def test_the_projected_exchange_allocates_what_the_all_to_all_does_forward_and_backward():
+    """torch.distributed.nn's all_to_all_single receives into a fresh buffer both ways (the gradient too),
+    so the projection's stand-in does: a plain clone would hand the gradient back through in place."""
+    from suites.workloads.moe import ExpertExchange
+
+    parts = torch.randn(2, 3, 4, requires_grad=True)
+    arrived = []
+    parts.register_hook(arrived.append)
+    received = ExpertExchange(2, communicate=False)._all_to_all(parts)
+    grad = torch.randn_like(received)
+    received.backward(grad)
+    assert received.data_ptr() != parts.data_ptr() and torch.equal(received, parts)
+    assert arrived[0].data_ptr() != grad.data_ptr() and torch.equal(arrived[0], grad)
+
+
 def test_expert_parallel_stages_of_a_pipeline_hold_their_stages_experts_and_exchange_their_layers_tokens():
     from harness.project.expert_parallel import all_to_all_bytes, expert_figures
     from suites.workloads import get_workload

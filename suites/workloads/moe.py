@@ -19,6 +19,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class _LocalAllToAll(torch.autograd.Function):
+    """The all-to-all's buffers without the sending (the projection): a fresh output forward and a fresh
+    one for the gradient backward, as torch.distributed.nn's all_to_all_single allocates them, so the
+    trace holds the send buffer and what arrives both live while each exchange runs."""
+
+    @staticmethod
+    def forward(ctx, parts: torch.Tensor) -> torch.Tensor:
+        return parts.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous().clone()
+
+
 class ExpertExchange:
     """Expert parallelism's all-to-all: the capacity buffer [E, C, D] of this rank's tokens goes out in R
     equal parts, one per rank holding E/R experts; this rank gets its experts' tokens from every rank,
@@ -29,13 +43,11 @@ class ExpertExchange:
         self.ranks, self.communicate, self.group = ranks, communicate, group
 
     def _all_to_all(self, parts: torch.Tensor) -> torch.Tensor:
+        parts = parts.contiguous()
         if not self.communicate:
-            # A fresh tensor, as the collective's output is: the send buffer and what arrives are both live
-            # while it runs (the projection's memory counts both).
-            return parts.clone()
+            return _LocalAllToAll.apply(parts)
         from torch.distributed.nn.functional import all_to_all_single
 
-        parts = parts.contiguous()
         return all_to_all_single(torch.empty_like(parts), parts, group=self.group)
 
     def dispatch(self, buffer: torch.Tensor) -> torch.Tensor:
