@@ -2,7 +2,8 @@
 time and the host's issue time of each step phase are combined.
 
 - Compute: an op's FLOPs at the *achievable* rate of its dtype (a profile's measured best GEMM, else the
-  datasheet derated by generation), times its class's efficiency (convolutions, fused attention), on a
+  datasheet derated by generation), times its class's efficiency (convolutions on tensor cores; fused
+  attention, which on Hopper and Blackwell runs an Ampere-era kernel at a smaller share still), on a
   saturation curve: a GEMM of f FLOPs runs at rate * f / (f + f_half), f_half growing with the SM
   count (small GEMMs leave SMs idle), so it takes (f + f_half) / rate.
 - Memory: bytes read + written at the datasheet bandwidth times a fitted efficiency (a measured copy rate
