@@ -38,10 +38,8 @@ def timing_noisy(measured: dict) -> bool:
     that dropped it, as the 2026-11-30 H200 check's CSV did) is judged from its recorded coefficient of
     variation by the same threshold the runner used, as schema 2's migration does."""
     flag = measured.get("noisy")
-    if flag is True or flag == "True":
-        return True
-    if flag is False or flag == "False":
-        return False
+    if not pd.isna(flag):  # a bool, numpy's or Python's, or its text from a CSV
+        return str(flag).lower() in ("true", "1")
     cv = pd.to_numeric(measured.get("step_time_cv"), errors="coerce")
     return bool(cv > DEFAULT_NOISE_THRESHOLD) if pd.notna(cv) else False
 

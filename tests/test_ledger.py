@@ -54,7 +54,9 @@ def test_a_twin_written_without_the_noisy_flag_is_judged_from_its_recorded_sprea
         ("bert", "infer", "amp-bf16"), ("bert", "train", "amp-bf16"), ("resnet50", "train", "checkpointing")]
     shipped = read_ledger().set_index("pair_id")["step_time_noisy"]
     assert (shipped[pairs["pair_id"]].to_numpy() == pairs["step_time_noisy"].to_numpy()).all()
-    assert timing_noisy({"noisy": False, "step_time_cv": 0.5}) is False  # a written flag is kept as written
+    for written in (False, np.False_, "False"):  # a written flag is kept as written, whatever wrote it
+        assert timing_noisy({"noisy": written, "step_time_cv": 0.5}) is False
+    assert timing_noisy({"noisy": np.True_, "step_time_cv": 0.0}) is True
     assert timing_noisy({"noisy": None, "step_time_cv": None}) is False
 
 
