@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The fine-tuning issue's GPU checks, apart from gpu_check.sh (which they would push past 8 minutes): 230 s
-# in all (a cold torch.compile of the training step takes about a minute, so each cell gets 75 s).
+# The fine-tuning issue's GPU checks, apart from gpu_check.sh (which they would push past 8 minutes): 250 s
+# in all (a cold torch.compile of the training step takes about a minute, so each cell gets 75 s), then
+# fused attention's measured share of the matmul rate against the speed model's assumption (20 s).
 # gpt2-124m training at its standard batch, each cell with its projected twin:
 #   amp-bf16 (eager, the reference), amp-bf16+compile (target: at least 40% MFU on an H100/H200),
 #   fp8+compile (torchao float8 training, as it is meant to run), amp-bf16+optim-offload (torchao's CPU
 #   offload optimizer: host bytes, step time over the host link).
-# Device: run(command="OUT=$OUT bash benchmarks/gpu_check_training.sh", carry=[".gpu_vendor"], timeout_s=260)
+# Device: run(command="OUT=$OUT bash benchmarks/gpu_check_training.sh", carry=[".gpu_vendor"], timeout_s=280)
 # $OUT gets summary-training.txt and gpu_check_training.tgz (every log and the results folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,4 +33,6 @@ columns = ["technique", "source", "status", "step_time_ms_p50", "mfu", "warmup_s
            "host_bytes", "step_time_error_vs_measured", "peak_error_vs_measured"]
 print(frame[[c for c in columns if c in frame.columns]].to_string(index=False))
 PYEOF
+step "fused attention's share of the matmul rate, measured and as the speed model assumes it"
+timeout -k 5 20 $PY benchmarks/attention_share.py 2>&1 | tee -a "$OUT/summary-training.txt"
 step "done"
