@@ -33,8 +33,9 @@ class GpuConstants:
     # achievable / datasheet bandwidth of the long sequential reads of a served decoder's matmuls (weights)
     # and attention (KV cache), where no measured copy rate exists; not fitted (no decode measured yet)
     stream_bandwidth_efficiency: float = 0.85
-    # 16-bit fused attention's efficiency on this generation relative to Ampere's (PyTorch's flash kernel
-    # is FlashAttention-2, written for Ampere); a prior with its source in speed_constants.toml, not fitted
+    # Fused attention's efficiency on tensor cores on this generation relative to Ampere's (PyTorch's
+    # kernels, FlashAttention-2 and the memory-efficient one, were written for Ampere); a prior with its
+    # source in speed_constants.toml, not fitted
     attention_generation_scale: float = 1.0
     fitted: bool = False         # whether these came from a fit on measurements of this vendor
 
