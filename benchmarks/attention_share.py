@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-from harness.calibrate import _timer, matmul_rates
+from harness.calibrate import matmul_rates, seconds_per_call
 from harness.profiles import detect_local, load_profiles
 from harness.project.speed_constants import constants_for
 
@@ -34,7 +34,7 @@ def attention_rate(device: torch.device, dtype: torch.dtype, shape: tuple[int, .
         F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
 
     flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
-    return flops / _timer(device)(step, 10)
+    return flops / seconds_per_call(device)(step, 10)
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ class Calibration:
     method: str = ""
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+def seconds_per_call(device: torch.device) -> Callable[[Callable[[], object], int], float]:
     """Seconds per call of `fn`, averaged over `repeat` calls after one warm-up: CUDA events on a GPU
     (kernels are asynchronous), the wall clock on the CPU."""
 
@@ -79,7 +79,7 @@ def matmul_rates(device: torch.device, sizes=None, dtypes=None, budget_s: float 
     device cannot multiply in is left out with a note."""
     sizes = sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     dtypes = dtypes or (CUDA_DTYPES if device.type == "cuda" else CPU_DTYPES)
-    timer = _timer(device)
+    timer = seconds_per_call(device)
     deadline = time.monotonic() + budget_s
     rates: dict[str, float] = {}
     previous = torch.backends.cuda.matmul.allow_tf32
@@ -109,7 +109,7 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 27)
     source = torch.empty(nbytes // 4, device=device, dtype=torch.float32).uniform_()
     target = torch.empty_like(source)
-    seconds = min(_timer(device)(lambda: target.copy_(source), 10) for _ in range(3))
+    seconds = min(seconds_per_call(device)(lambda: target.copy_(source), 10) for _ in range(3))
     return 2 * nbytes / seconds
 
 
@@ -149,7 +149,7 @@ def kernel_floor(device: torch.device, kernels: int = 200) -> float | None:
     with torch.cuda.graph(graph):
         for _ in range(kernels):
             x.add_(1)
-    return _timer(device)(graph.replay, 20) / kernels
+    return seconds_per_call(device)(graph.replay, 20) / kernels
 
 
 def calibrate(profile, device: torch.device, quick: bool = False,

@@ -47,6 +47,13 @@ def _no_host(constants):
     return dataclasses.replace(constants, host=host, gpu=dataclasses.replace(constants.gpu, kernel_s=0.0))
 
 
+def _only(ops: OpArrays, selected: np.ndarray) -> OpArrays:
+    """The model's input cut down to the `selected` ops (the per-op columns; the device's figures stay)."""
+    columns = ("count", "flops", "bytes", "kernels", "phase", "issuer", "aligned", "op_class", "fused", "simt",
+               "achievable", "datasheet", "streaming")
+    return dataclasses.replace(ops, **{name: getattr(ops, name)[selected] for name in columns})
+
+
 def test_small_gemms_reach_a_smaller_share_of_the_achievable_rate_than_large_ones():
     constants = _no_host(constants_for(PROFILES["h100-sxm"]))
     rate = PROFILES["h100-sxm"].achievable_flops["bf16"]
@@ -98,17 +105,14 @@ def test_convolutions_pay_the_conv_efficiency_on_tensor_cores_only():
     def conv_seconds(ops, convs, efficiency):
         constants = _no_host(constants_for(PROFILES["a100-sxm4-80gb"]))
         constants = dataclasses.replace(constants, gpu=dataclasses.replace(constants.gpu, conv_efficiency=efficiency))
-        only = {name: getattr(ops, name)[convs] for name in ("count", "flops", "bytes", "kernels", "phase", "issuer",
-                                                             "aligned", "op_class", "fused", "simt", "achievable",
-                                                             "datasheet", "streaming")}
-        return step_time(dataclasses.replace(ops, **only), constants).step_s
+        return step_time(_only(ops, convs), constants).step_s
 
     assert conv_seconds(v100, v100_convs, 0.25) == pytest.approx(conv_seconds(v100, v100_convs, 1.0))
     assert conv_seconds(a100, a100_convs, 0.25) > 2 * conv_seconds(a100, a100_convs, 1.0)
 
 
 def test_flash_attention_is_derated_on_newer_generations_and_fp32_attention_is_not():
-    """PyTorch's 16-bit fused attention is FlashAttention-2, written for Ampere: on Hopper it runs at the
+    """PyTorch's fused attention kernels were written for Ampere: on Hopper tensor-core attention runs at the
     generation's scale (0.52) of the fitted efficiency; fp32 attention on CUDA cores keeps it."""
     assert constants_for(PROFILES["a100-sxm4-80gb"]).gpu.attention_generation_scale == 1.0
     assert constants_for(PROFILES["h100-sxm"]).gpu.attention_generation_scale == pytest.approx(0.52)
@@ -121,10 +125,7 @@ def test_flash_attention_is_derated_on_newer_generations_and_fp32_attention_is_n
         constants = dataclasses.replace(constants, gpu=dataclasses.replace(
             constants.gpu, attention_generation_scale=scale, saturation_flops_per_sm=0.0,
             bandwidth_efficiency=1e9))  # compute only: memory traffic costs nothing here
-        only = {name: getattr(ops, name)[attention] for name in (
-            "count", "flops", "bytes", "kernels", "phase", "issuer", "aligned", "op_class", "fused", "simt",
-            "achievable", "datasheet", "streaming")}
-        return step_time(dataclasses.replace(ops, **only), constants).step_s
+        return step_time(_only(ops, attention), constants).step_s
 
     assert attention_seconds("amp-bf16", 0.52) == pytest.approx(attention_seconds("amp-bf16", 1.0) / 0.52, rel=1e-6)
     assert attention_seconds("baseline", 0.52) == pytest.approx(attention_seconds("baseline", 1.0), rel=1e-9)
