@@ -1,5 +1,5 @@
 """Sessions: `nox` (lint + tests), `nox -s bench` (this machine), `nox -s bench-<family>` per GPU family,
-`gpu-check` (every GPU check, on a GPU machine),
+`gpu-check` (every GPU check, on a GPU machine), `gpu-check-smoke` (its plumbing on smoke sizes, anywhere),
 `tests_on-3.12` (the suite on another Python), `tests_older_torch` (on torch 2.6 and 2.11; not run by default),
 `readme-screenshot` (docs/report.png from the newest `nox -s bench` results, through headless Chromium).
 Sessions run on the oldest of Python 3.11-3.13 that is installed, and fail where none is.
@@ -93,6 +93,16 @@ def gpu_check(session: nox.Session) -> None:
         session.error("gpu-check needs an NVIDIA GPU and its driver (no nvidia-smi on this machine)")
     _install(session)
     session.run("bash", "benchmarks/gpu_check.sh", env={"PYTHON": "python"}, external=True)
+
+
+@nox.session(python=PYTHON, name="gpu-check-smoke", default=False)
+def gpu_check_smoke(session: nox.Session) -> None:
+    """benchmarks/gpu_check.sh's steps on smoke sizes, on any machine (a few minutes on a CPU): its arguments,
+    columns and ledger merge work before GPU time is spent on them. Measures no GPU; fails if a step fails."""
+    _install(session)
+    session.run("bash", "benchmarks/gpu_check.sh", env={"PYTHON": "python", "SMOKE": "1", "OUT": "gpu_check_smoke_out",
+                                                        "WORK": str(Path(session.create_tmp()) / "gpu_check")},
+                external=True)
 
 
 @nox.session(python=PYTHON)
