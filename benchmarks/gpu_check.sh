@@ -9,7 +9,7 @@
 # Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=540)
 # $OUT gets two files (the device returns at most 8): summary.txt, written as it goes, and
 # gpu_check.tgz with every log and results folder (from $WORK).
-# SMOKE=1 runs the same steps on smoke sizes with limits 8x longer, on any machine (about 4 minutes on a
+# SMOKE=1 runs the same steps on smoke sizes with limits 8x longer, on any machine (under 5 minutes on a
 # 2-core CPU): it checks the script's plumbing (arguments, columns, the ledger merge) before device time
 # is spent on it, and measures no GPU (`nox -s gpu-check-smoke`).
 set -uo pipefail
