@@ -17,14 +17,16 @@ SIZE=${SIZE:-gpt2-124m}  # SIZE=smoke runs the same plumbing on a CPU in seconds
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=".:.gpu_vendor${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-step() { echo "== $(date +%T) $*" | tee -a "$OUT/summary-training.txt"; }
+failed=()
+step() { CURRENT="$*"; echo "== $(date +%T) $*" | tee -a "$OUT/summary-training.txt"; }
+status() { echo "exit $1" | tee -a "$OUT/summary-training.txt"; [ "$1" = 0 ] || failed+=("$CURRENT (exit $1)"); }
 trap 'tar czf "$OUT/gpu_check_training.tgz" -C "$WORK" . 2>/dev/null' EXIT
 
-step "gpt2-124m training: eager, optimizer offload, compiled, fp8 compiled (warm-up holds the compilation)"
+step "$SIZE training: eager, optimizer offload, compiled, fp8 compiled (warm-up holds the compilation)"
 timeout -k 5 225 $PY -m harness.cli run --workload gpt --size "$SIZE" --mode train \
   --technique amp-bf16,amp-bf16+optim-offload,amp-bf16+compile,fp8+compile --steps 10 --repeats 1 --warmup 3 \
   --cell-timeout 75 --out "$WORK/bench-training" > "$WORK/run-training.txt" 2>&1
-echo "exit $?" | tee -a "$OUT/summary-training.txt"
+status $?
 $PY - "$WORK/bench-training" <<'PYEOF' 2>&1 | tee -a "$OUT/summary-training.txt"
 import sys
 from harness.records import read_results
@@ -35,4 +37,9 @@ print(frame[[c for c in columns if c in frame.columns]].to_string(index=False))
 PYEOF
 step "fused attention's share of the matmul rate, measured and as the speed model assumes it"
 timeout -k 5 20 $PY benchmarks/attention_share.py 2>&1 | tee -a "$OUT/summary-training.txt"
+status $?
 step "done"
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'failed: %s\n' "${failed[@]}" | tee -a "$OUT/summary-training.txt"
+  exit 1
+fi
