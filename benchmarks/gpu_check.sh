@@ -27,9 +27,8 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=".:.gpu_vendor${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1                # a step killed by its timeout keeps what it printed
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # the machine's own pytest plugins would load into the carried pytest
-failed=()
-step() { CURRENT="$*"; echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
-status() { echo "exit $1" | tee -a "$OUT/summary.txt"; [ "$1" = 0 ] || failed+=("$CURRENT (exit $1)"); }
+SUMMARY="$OUT/summary.txt"
+source benchmarks/check_steps.sh
 pack() { tar czf "$OUT/gpu_check.tgz" -C "$WORK" . 2>/dev/null; }
 trap pack EXIT
 
@@ -116,8 +115,4 @@ timeout -k 5 "$(limit 45)" $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests
   > "$WORK/pytest.txt" 2>&1
 status $?
 tail -25 "$WORK/pytest.txt" | tee -a "$OUT/summary.txt"
-step "done"
-if [ ${#failed[@]} -gt 0 ]; then
-  printf 'failed: %s\n' "${failed[@]}" | tee -a "$OUT/summary.txt"
-  exit 1
-fi
+end_steps

@@ -17,9 +17,8 @@ SIZE=${SIZE:-gpt2-124m}  # SIZE=smoke runs the same plumbing on a CPU in seconds
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=".:.gpu_vendor${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-failed=()
-step() { CURRENT="$*"; echo "== $(date +%T) $*" | tee -a "$OUT/summary-training.txt"; }
-status() { echo "exit $1" | tee -a "$OUT/summary-training.txt"; [ "$1" = 0 ] || failed+=("$CURRENT (exit $1)"); }
+SUMMARY="$OUT/summary-training.txt"
+source benchmarks/check_steps.sh
 trap 'tar czf "$OUT/gpu_check_training.tgz" -C "$WORK" . 2>/dev/null' EXIT
 
 step "$SIZE training: eager, optimizer offload, compiled, fp8 compiled (warm-up holds the compilation)"
@@ -38,8 +37,4 @@ PYEOF
 step "fused attention's share of the matmul rate, measured and as the speed model assumes it"
 timeout -k 5 20 $PY benchmarks/attention_share.py 2>&1 | tee -a "$OUT/summary-training.txt"
 status $?
-step "done"
-if [ ${#failed[@]} -gt 0 ]; then
-  printf 'failed: %s\n' "${failed[@]}" | tee -a "$OUT/summary-training.txt"
-  exit 1
-fi
+end_steps
