@@ -9,7 +9,7 @@
 # Device: run(command="OUT=$OUT bash benchmarks/gpu_check.sh", carry=[".gpu_vendor"], timeout_s=540)
 # $OUT gets two files (the device returns at most 8): summary.txt, written as it goes, and
 # gpu_check.tgz with every log and results folder (from $WORK).
-# SMOKE=1 runs the same steps on smoke sizes with limits 8x longer, on any machine (under 5 minutes on a
+# SMOKE=1 runs the same steps on smoke sizes with limits 8x longer, on any machine (4.5 to 6 minutes on a
 # 2-core CPU): it checks the script's plumbing (arguments, columns, the ledger merge) before device time
 # is spent on it, and measures no GPU (`nox -s gpu-check-smoke`).
 set -uo pipefail
@@ -34,16 +34,16 @@ trap pack EXIT
 
 step "device"
 if command -v nvidia-smi > /dev/null; then
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$OUT/summary.txt"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$SUMMARY"
 else
-  echo "no nvidia-smi: no NVIDIA GPU measured here" | tee -a "$OUT/summary.txt"
+  echo "no nvidia-smi: no NVIDIA GPU measured here" | tee -a "$SUMMARY"
 fi
 $PY -m harness.cli env 2>&1 | tee "$WORK/env.txt" | head -20
 
 # The device's achievable matmul rates, bandwidth and per-op costs, as a profile overlay (kept in the
 # tarball; copy it into a --profiles folder to project this GPU with it).
 step "calibrate"
-timeout -k 5 "$(limit 50)" $PY -m harness.cli calibrate --quick --out "$WORK/calibration" 2>&1 | tee -a "$OUT/summary.txt" | tail -3
+timeout -k 5 "$(limit 50)" $PY -m harness.cli calibrate --quick --out "$WORK/calibration" 2>&1 | tee -a "$SUMMARY" | tail -3
 status $?
 
 # One run per workload, each under its own limit: a run attaches the twins' errors when it ends, so a
@@ -81,7 +81,7 @@ timeout -k 5 "$(limit 65)" $PY -m harness.cli run --workload gpt --size "$SERVED
   --technique bf16-weights,bf16-weights+compile,bf16-weights+group-quant+compile,bf16-weights+group-quant-int4+compile \
   --out "$WORK/bench-serving" > "$WORK/run-serving.txt" 2>&1
 status $?
-$PY - "$WORK/bench-serving" <<'PYEOF' 2>&1 | tee -a "$OUT/summary.txt"
+$PY - "$WORK/bench-serving" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
 import os
 import sys
 from harness.records import read_results
@@ -100,19 +100,19 @@ timeout -k 5 "$(limit 35)" $PY -m harness.cli run --workload gpt --size "$SIZE" 
   --cell-timeout "$(limit 11)" --out "$WORK/bench-sharding" > "$WORK/run-sharding.txt" 2>&1
 status $?
 
-$PY benchmarks/twin_errors.py "$WORK"/bench-* 2>&1 | tee -a "$OUT/summary.txt"
+$PY benchmarks/twin_errors.py "$WORK"/bench-* 2>&1 | tee -a "$SUMMARY"
 # The twins join a copy of the ledger (merge it here with `headroom ledger add` on the unpacked folders).
 cp harness/data/ledger.csv "$WORK/ledger.csv"
-$PY -m harness.cli ledger add "$WORK"/bench-* --ledger "$WORK/ledger.csv" 2>&1 | tee -a "$OUT/summary.txt"
+$PY -m harness.cli ledger add "$WORK"/bench-* --ledger "$WORK/ledger.csv" 2>&1 | tee -a "$SUMMARY"
 
 step "fit: the projected largest batch against the device"
 timeout -k 5 "$(limit 45)" $PY benchmarks/fit_check.py > "$WORK/fit-check.txt" 2>&1
 status $?
-grep -v "^W[0-9]" "$WORK/fit-check.txt" | tail -8 | tee -a "$OUT/summary.txt"
+grep -v "^W[0-9]" "$WORK/fit-check.txt" | tail -8 | tee -a "$SUMMARY"
 
 step "tests that need CUDA (marked gpu)"
 timeout -k 5 "$(limit 45)" $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/ \
   > "$WORK/pytest.txt" 2>&1
 status $?
-tail -25 "$WORK/pytest.txt" | tee -a "$OUT/summary.txt"
+tail -25 "$WORK/pytest.txt" | tee -a "$SUMMARY"
 end_steps

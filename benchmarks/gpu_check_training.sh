@@ -26,7 +26,7 @@ timeout -k 5 225 $PY -m harness.cli run --workload gpt --size "$SIZE" --mode tra
   --technique amp-bf16,amp-bf16+optim-offload,amp-bf16+compile,fp8+compile --steps 10 --repeats 1 --warmup 3 \
   --cell-timeout 75 --out "$WORK/bench-training" > "$WORK/run-training.txt" 2>&1
 status $?
-$PY - "$WORK/bench-training" <<'PYEOF' 2>&1 | tee -a "$OUT/summary-training.txt"
+$PY - "$WORK/bench-training" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
 import sys
 from harness.records import read_results
 frame = read_results(sys.argv[1])
@@ -35,6 +35,6 @@ columns = ["technique", "source", "status", "step_time_ms_p50", "mfu", "warmup_s
 print(frame[[c for c in columns if c in frame.columns]].to_string(index=False))
 PYEOF
 step "fused attention's share of the matmul rate, measured and as the speed model assumes it"
-timeout -k 5 20 $PY benchmarks/attention_share.py 2>&1 | tee -a "$OUT/summary-training.txt"
+timeout -k 5 20 $PY benchmarks/attention_share.py 2>&1 | tee -a "$SUMMARY"
 status $?
 end_steps
