@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from suites.techniques.adapters import store_frozen_in
 from suites.techniques.base import Run
+from suites.techniques.layout import to_layout
 from suites.workloads.base import Batch
 
 Mark = Callable[[str], None] | None
@@ -94,6 +95,7 @@ class Step:
         return torch.autocast(self.device.type, dtype=self.run.autocast_dtype)
 
     def __call__(self, batch: Batch, mark: Mark = None) -> torch.Tensor:
+        batch = to_layout(batch, self.run.memory_format)
         with tf32_matmuls(self.run.tf32):
             return self._train_step(batch, mark) if self.train else self._infer_step(batch, mark)
 

@@ -50,7 +50,7 @@ def _no_host(constants):
 def _only(ops: OpArrays, selected: np.ndarray) -> OpArrays:
     """The model's input cut down to the `selected` ops (the per-op columns; the device's figures stay)."""
     columns = ("count", "flops", "bytes", "kernels", "phase", "issuer", "aligned", "op_class", "fused", "simt",
-               "achievable", "datasheet", "streaming")
+               "achievable", "datasheet", "streaming", "nchw_bytes", "nchw_tensors")
     return dataclasses.replace(ops, **{name: getattr(ops, name)[selected] for name in columns})
 
 

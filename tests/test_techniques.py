@@ -84,6 +84,10 @@ def test_numerics_preserving_techniques_match_baseline(workload_name, technique)
     workload = WORKLOADS[workload_name]
     if technique == "grad-accumulation" and workload.traits.batch_norm:
         pytest.skip("batch norm normalises over each micro-batch, so accumulation changes ResNet's numerics")
+    # Checked against a GPU, so only the workload's limits skip a case (the CPU refuses CUDA-only settings).
+    reason = TECHNIQUES[technique].check(PROFILES["a100-sxm4-80gb"], workload, "train")
+    if reason:
+        pytest.skip(f"{technique} does not run on {workload_name}: {reason}")
     spec = workload.sizes["smoke"]
     torch.manual_seed(0)
     model = workload.build(spec)
@@ -94,7 +98,10 @@ def test_numerics_preserving_techniques_match_baseline(workload_name, technique)
     grads = {_clean(name): g for name, g in grads.items()}
     assert grads.keys() == base_grads.keys()
     for name, grad in base_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
+        # Rounding of reassociated sums (another convolution algorithm, for another layout) scales with the
+        # tensor's largest values, not with each element: the absolute tolerance follows that scale.
+        atol = max(1e-6, 1e-5 * grad.abs().max().item())
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=atol, msg=f"gradient of {name}")
 
 
 def test_grad_accumulation_really_splits_the_batch():

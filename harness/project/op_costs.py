@@ -39,7 +39,11 @@ class OpShape:
     recorded for autograd, a checkpoint's recomputation, the optimizer), `engine` (autograd's C++
     backward) or `inference` (no autograd). `aligned`: a GEMM whose every dimension is a multiple of
     the tensor cores' granule (8 elements of 16 bits, 16 of 8 bits); others run slower kernels
-    (NVIDIA's Matrix Multiplication Background guide; GPT-2's vocabulary of 50,257 is the known case)."""
+    (NVIDIA's Matrix Multiplication Background guide; GPT-2's vocabulary of 50,257 is the known case).
+
+    `nchw_bytes`, `nchw_tensors`: a convolution's 4-D operands and results not laid out channels-last,
+    which a channels-innermost kernel (cuDNN's tensor-core convolutions, oneDNN) transposes around the
+    convolution (suites/techniques/layout.py); 0 for every other op."""
 
     phase: str
     op_class: str
@@ -50,6 +54,8 @@ class OpShape:
     issuer: str = "python"
     aligned: bool = True
     fused: bool = False  # an elementwise op inside a compiled kernel: no launch or host cost of its own
+    nchw_bytes: float = 0.0
+    nchw_tensors: int = 0
 
 
 def op_class(name: str) -> str:
@@ -92,6 +98,12 @@ def _aligned(name: str, args, dtype: str) -> bool:
     granule = 16 if dtype in ("int8", "float8_e4m3fn", "float8_e5m2") else 8
     dims = [d for t in args if isinstance(t, torch.Tensor) and t.dim() >= 2 for d in t.shape[-2:]]
     return all(int(d) % granule == 0 for d in dims)
+
+
+def _nchw(tensors) -> list[torch.Tensor]:
+    """The 4-D tensors among `tensors` not laid out channels-last (a channels-innermost kernel transposes
+    each); one whose layouts coincide (a single channel, or 1x1 spatial) needs no transpose."""
+    return [t for t in tensors if t.dim() == 4 and not t.is_contiguous(memory_format=torch.channels_last)]
 
 
 def foreach_kernels(args) -> int:
@@ -201,8 +213,9 @@ class _OpCostMode(TorchDispatchMode):
                     self._store(id(t))
             moved = sum(nbytes(t) for t in inputs + outputs)
         kernels = foreach_kernels(args) if multi_tensor else 1
+        nchw = _nchw(inputs + outputs) if op_class(name) == "conv" else []
         shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
-                        _aligned(name, args, dtype), fusing)
+                        _aligned(name, args, dtype), fusing, float(sum(nbytes(t) for t in nchw)), len(nchw))
         self.ops[shape] += 1
         return out
 

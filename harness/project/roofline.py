@@ -86,6 +86,10 @@ class OpArrays:
     host: HostTraffic | None = None  # an offloaded optimizer's transfers and host step
     host_link_bytes_s: float | None = None  # one direction of the host link
     notes: list[str] = field(default_factory=list)
+    # A convolution's operands not laid out channels-last, where the device transposes them (bytes, tensors).
+    nchw_bytes: np.ndarray | None = None
+    nchw_tensors: np.ndarray | None = None
+    vendor: str = ""
 
 
 def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tuple[str, ...] = PHASES) -> OpArrays:
@@ -127,7 +131,8 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
                           for s, _ in rows], bool),
         compiled=trace.compiled, cuda_graphs=trace.compiled and not any(s.phase == "backward" for s in trace.ops),
         host=trace.host if "optimizer" in phases else None, host_link_bytes_s=host_link_bytes_s(profile),
-        notes=notes)
+        notes=notes, nchw_bytes=column([s.nchw_bytes for s, _ in rows]),
+        nchw_tensors=column([s.nchw_tensors for s, _ in rows]), vendor=profile.vendor)
 
 
 def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
@@ -166,6 +171,7 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
                 f"{gpu.stream_bandwidth_efficiency:.2f} of the datasheet bandwidth (prior)")
         notes.append(f"prefill/decode matmuls and attention stream at {rate}")
     launch = ops.kernels * gpu.kernel_s
+    transposes = layout_transposes_s(ops, bandwidth, gpu.kernel_s)
     issue_per_op = (np.array([constants.issue_s[i] for i in ISSUERS])[ops.issuer]
                     + np.where(ops.op_class == _CLASS_INDEX["conv"], host.issue_conv_s, 0.0)) * ops.count
     if ops.compiled:
@@ -181,7 +187,7 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
         launch = np.where(fused, 0.0, launch)
         wrapper = 0.0 if ops.cuda_graphs else constants.issue_s["engine"]
         issue_per_op = np.where(fused, 0.0, np.where(graph, wrapper * ops.count, issue_per_op))
-    kernel = (np.maximum(compute, memory) + launch) * ops.count
+    kernel = (np.maximum(compute, memory) + launch + transposes) * ops.count
     p = 1.0 if ops.host_is_device else host.overlap
     step = 0.0
     phase_s = {}
@@ -200,8 +206,22 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
         notes.append(f"speed constants for {constants.key} not fitted on any measurement (priors)")
     return TimeEstimate(
         step_s=float(step), compute_s=float((compute * ops.count)[compute_bound].sum()),
-        memory_s=float((memory * ops.count)[~compute_bound].sum()), launch_s=float((launch * ops.count).sum()),
+        memory_s=float((memory * ops.count)[~compute_bound].sum() + (transposes * ops.count).sum()),
+        launch_s=float((launch * ops.count).sum()),
         issue_s=float(issue_per_op.sum()), notes=tuple(notes), fitted=gpu.fitted)
+
+
+def layout_transposes_s(ops: OpArrays, bandwidth: float, kernel_s: float) -> np.ndarray:
+    """Per op, the seconds of the layout transposes around an NCHW convolution: each operand read and
+    written once more, one kernel each. cuDNN's tensor-core convolutions compute channels-innermost and
+    transpose NCHW operands in and the result out (NVIDIA's Convolutional Layers guide, "Tensor layouts in
+    memory"), as oneDNN reorders on a CPU; cuDNN's fp32 CUDA-core kernels and AMD's MIOpen, whose native
+    layout is NCHW, do not. A compiled step has none: Inductor's layout optimisation runs a convolutional
+    network's convolutions channels-last (torch/_inductor/config.py, `layout_optimization`, on for CUDA)."""
+    if ops.nchw_bytes is None or ops.compiled or not (ops.host_is_device or ops.vendor == "nvidia"):
+        return np.zeros(len(ops.count))
+    transposed = (ops.op_class == _CLASS_INDEX["conv"]) & ~ops.simt
+    return np.where(transposed, 2 * ops.nchw_bytes / bandwidth + ops.nchw_tensors * kernel_s, 0.0)
 
 
 # The host link's datasheet figure is both directions together; one direction carries half, and pinned

@@ -18,6 +18,7 @@ from suites.techniques import (
     dynamic_sparsity,  # T12
     expert,  # T15: expert parallelism
     groupquant,  # T9
+    layout,  # channels-last
     lowrank,  # T3
     offload,  # optimizer state in host memory
     optimizers,  # optimizer implementations
@@ -45,6 +46,7 @@ FAMILIES = [
     sparsity,
     dynamic_sparsity,
     serving,
+    layout,
     allocator,
     optimizers,
     offload,

@@ -64,6 +64,7 @@ class Run:
         kv_cache: how a served decoder stores its KV cache (`native`: the activations' dtype; `int8`).
         compiled: the model runs through torch.compile (the `compile` technique).
         input_dtype: floating inputs are cast to it before inference (a model held in 16 bits).
+        memory_format: 4-D floating inputs (images) are laid out in it before each step (`channels-last`).
         data_parallel: ranks the global batch is split over (data-parallel and sharded stacks).
         data_rank: this rank's index among those `data_parallel` ranks (None: its global rank); tensor-parallel
             ranks of one group share it and so their slice.
@@ -98,6 +99,7 @@ class Run:
     kv_cache: str = "native"
     compiled: bool = False
     input_dtype: torch.dtype | None = None
+    memory_format: torch.memory_format | None = None
     allocator: str = "native"
     data_parallel: int = 1
     data_rank: int | None = None
