@@ -14,14 +14,13 @@ from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.project import traced
 from harness.project.op_costs import _OpCostMode
-from harness.project.roofline import layout_transposes_s, op_arrays, step_time
+from harness.project.roofline import _CLASS_INDEX, layout_transposes_s, op_arrays, step_time
 from harness.project.speed_constants import constants_for
 from suites.step import Step
 from suites.techniques import Run, parse_stack
 from suites.workloads import WORKLOADS
 
 PROFILES = load_profiles()
-CONV = 1  # roofline's class index of convolutions
 
 
 def _trace(technique: str, gpu: str = "a100-sxm4-80gb"):
@@ -76,20 +75,23 @@ def test_a_channels_last_stack_traces_no_transposes_and_the_same_flops():
     assert sum(s.flops * n for s, n in nchw.items()) == sum(s.flops * n for s, n in channels_last.items())
 
 
-def _transposes(gpu: str, technique: str = "amp-fp16", compiled: bool = False) -> tuple[float, object]:
+def _costing(gpu: str):
+    """The profile's per-device view, its speed constants and the bandwidth the model derates them to."""
     profile = PROFILES[gpu].per_device()
-    ops = op_arrays(_trace(technique, gpu), profile)
-    ops = dataclasses.replace(ops, compiled=compiled)
     constants = constants_for(profile)
-    bandwidth = profile.memory_bandwidth_bytes_s * constants.gpu.bandwidth_efficiency
+    return profile, constants, profile.memory_bandwidth_bytes_s * constants.gpu.bandwidth_efficiency
+
+
+def _transposes(gpu: str, technique: str = "amp-fp16", compiled: bool = False) -> tuple[float, object]:
+    profile, constants, bandwidth = _costing(gpu)
+    ops = dataclasses.replace(op_arrays(_trace(technique, gpu), profile), compiled=compiled)
     return float((layout_transposes_s(ops, bandwidth, constants.gpu.kernel_s) * ops.count).sum()), ops
 
 
 def test_nchw_tensor_core_convolutions_pay_a_read_and_a_write_of_each_operand_and_a_kernel_each():
     seconds, ops = _transposes("a100-sxm4-80gb")
-    constants = constants_for(PROFILES["a100-sxm4-80gb"])
-    bandwidth = PROFILES["a100-sxm4-80gb"].memory_bandwidth_bytes_s * constants.gpu.bandwidth_efficiency
-    convs = ops.op_class == CONV
+    profile, constants, bandwidth = _costing("a100-sxm4-80gb")
+    convs = ops.op_class == _CLASS_INDEX["conv"]
     expected = ((2 * ops.nchw_bytes / bandwidth + ops.nchw_tensors * constants.gpu.kernel_s) * ops.count)[convs].sum()
     assert seconds == pytest.approx(expected) and seconds > 0
     # On the GPU's side (no host issue cost, which decides so small a step), channels-last is faster though
@@ -97,8 +99,7 @@ def test_nchw_tensor_core_convolutions_pay_a_read_and_a_write_of_each_operand_an
     gpu_only = dataclasses.replace(constants, host=dataclasses.replace(
         constants.host, issue_python_s=0.0, issue_engine_s=0.0, issue_inference_s=0.0, issue_conv_s=0.0))
     slow = step_time(ops, gpu_only).step_s
-    fast = step_time(op_arrays(_trace("amp-fp16+channels-last"), PROFILES["a100-sxm4-80gb"].per_device()),
-                     gpu_only).step_s
+    fast = step_time(op_arrays(_trace("amp-fp16+channels-last"), profile), gpu_only).step_s
     assert slow > fast
 
 
