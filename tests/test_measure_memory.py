@@ -89,16 +89,20 @@ def test_a_free_the_profiler_missed_is_put_back_when_its_address_is_reused():
 
 def test_the_cpu_probe_does_not_keep_blocks_freed_on_another_thread():
     # Each block's last reference dies on a thread the profiler does not follow (as gloo's worker frees a
-    # collective's buffers). Blocks under the C library's mmap threshold come back from its heap at the same
-    # few addresses, so the repaired peak stays a few blocks where the profiler's own sum reaches twenty.
+    # collective's buffers), so the profiler's own sum reaches twenty blocks. The C library hands the freed
+    # memory out again at a few addresses (how few varies with what else runs: 2 to 9 of 20 measured here);
+    # the repaired peak can hold at most one block per address, whatever that number is.
     holder = {}
     block = 64 << 10
+    addresses = set()
     with memory.CpuAllocationProbe() as probe:
         probe.begin_measured_step()
         for _ in range(20):
             holder["tensor"] = torch.empty(block // 4)
+            addresses.add(holder["tensor"].data_ptr())
             thread = threading.Thread(target=holder.clear)
             thread.start()
             thread.join()
         probe.end_measured_step()
-    assert block <= probe.reading().peak_allocated <= 4 * block
+    assert len(addresses) < 20, "no address was handed out twice, so there was no missed free to repair"
+    assert block <= probe.reading().peak_allocated <= len(addresses) * block
