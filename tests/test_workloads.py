@@ -27,6 +27,10 @@ LLAMA_SMOKE = dataclasses.replace(
     name="llama-smoke",
     config={**gpt.SIZES["smoke"].config, "family": "llama", "ffn_hidden": 96},
 )
+# BERT with its MLM head on the masked positions only, as NVIDIA's pre-training runs it.
+DENSE_BERT_SMOKE = dataclasses.replace(
+    bert.SIZES["smoke"], name="dense-smoke", config={**bert.SIZES["smoke"].config, "dense_mlm_output": True})
+EXTRA_SMOKE = {("gpt", "llama"): LLAMA_SMOKE, ("bert", "dense-smoke"): DENSE_BERT_SMOKE}
 
 
 def _sizes(workload_name, size_name):
@@ -122,10 +126,10 @@ def _train_and_infer(w, size):
     assert blocks and all(isinstance(b, torch.nn.ModuleList | torch.nn.Sequential) and len(b) for b in blocks)
 
 
-@pytest.mark.parametrize("workload_name,size_name", [(n, "smoke") for n in WORKLOADS] + [("gpt", "llama")])
+@pytest.mark.parametrize("workload_name,size_name", [(n, "smoke") for n in WORKLOADS] + list(EXTRA_SMOKE))
 def test_flops_match_flop_counter_on_cpu(workload_name, size_name):
     w = get_workload(workload_name)
-    size = LLAMA_SMOKE if size_name == "llama" else w.size(size_name)
+    size = EXTRA_SMOKE.get((workload_name, size_name)) or w.size(size_name)
     model = w.build(size)
     batch = _batch(w, size, size.batch_size)
     forward = _counted(lambda: w.forward(model, batch)) / size.batch_size
@@ -187,6 +191,33 @@ def test_bert_batch():
     assert (ids[masked] == 103).all()
     assert set(types.unique().tolist()) <= {0, 1}
     assert bert.mask_token_id(512) == 103 and bert.mask_token_id(64) == 63
+
+
+def test_bert_dense_mlm_output_gives_the_same_loss_and_gradients_with_the_head_on_the_masked_positions_only():
+    # NVIDIA's BERT pre-training runs its MLM head on the masked positions alone ("dense sequence output");
+    # the loss is the same, the head's FLOPs drop to the masked share (19 of 128 positions).
+    size = bert.SIZES["smoke"]
+    dense_size = dataclasses.replace(size, config={**size.config, "dense_mlm_output": True})
+    batch = _batch(bert.WORKLOAD, size, 3)
+    losses, grads = [], []
+    for spec in (size, dense_size):
+        torch.manual_seed(0)
+        model = bert.build(spec)
+        value = bert.loss(model, batch)
+        value.backward()
+        losses.append(value.detach())
+        grads.append(model.word.weight.grad)
+    torch.testing.assert_close(losses[1], losses[0])
+    torch.testing.assert_close(grads[1], grads[0])
+    positions = bert.masked_positions(batch["labels"])
+    assert positions.shape == (3, bert.predictions_per_sample(size.seq_len))
+    assert (batch["labels"].gather(1, positions) != bert.IGNORE).all()
+    large = bert.SIZES["bert-large"]
+    dense_large = dataclasses.replace(large, config={**large.config, "dense_mlm_output": True})
+    d, vocab = large.config["n_embd"], large.config["vocab_size"]
+    head = 2 * d * d + 2 * d * vocab
+    assert bert.train_flops_per_sample(large) - bert.train_flops_per_sample(dense_large) == 3 * (128 - 19) * head
+    assert bert.forward_flops_per_sample(dense_large) == bert.forward_flops_per_sample(large)  # inference: all
 
 
 def test_resnet_batch():

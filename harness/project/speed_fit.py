@@ -49,6 +49,7 @@ class SpeedPoint:
     base: SpeedConstants  # the constants of the point's GPU before fitting (its generation's priors)
     measured_s: float
     source: str
+    samples: int = 1  # per step: GPUs measured at different batches are ranked by seconds per sample
 
 
 def with_values(base: SpeedConstants, values: dict[str, float]) -> SpeedConstants:

@@ -29,6 +29,10 @@ class BertConfig:
     type_vocab_size: int = 2
     dropout: float = 0.0  # BERT trained with 0.1; raise it to measure the memory of dropout masks
     norm_eps: float = 1e-12  # HuggingFace's layer_norm_eps for BERT
+    # Training runs the MLM head on the masked positions only ("dense sequence output", NVIDIA's
+    # DeepLearningExamples BERT, modeling.py): the same loss at about 15% of the head's FLOPs. HuggingFace
+    # runs it on every position, the default here.
+    dense_mlm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -103,7 +107,9 @@ class Bert(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                predict_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits at every position, or only at `predict_at` (batch x k indices: the masked positions)."""
         seq = input_ids.shape[1]
         if seq > self.cfg.max_positions:
             raise ValueError(f"sequence of {seq} tokens exceeds max_positions {self.cfg.max_positions}")
@@ -114,6 +120,8 @@ class Bert(nn.Module):
         x = self.drop(self.norm_emb(x))
         for layer in self.layers:
             x = layer(x)
+        if predict_at is not None:
+            x = x.gather(1, predict_at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         x = self.head_norm(F.gelu(self.head_dense(x)))
         return F.linear(x, self.word.weight, self.head_bias)
 
@@ -163,7 +171,7 @@ def make_batch(size: SizeSpec, batch_size: int, generator: torch.Generator) -> B
     # The same number of targets in every sample (15% of the positions, at least one), as BERT's
     # pre-training data fixes max_predictions_per_seq: then the mean loss over any equal split of
     # the batch averages to the whole batch's mean, so gradient accumulation preserves numerics.
-    targets = max(1, round(MASK_PROB * seq))
+    targets = predictions_per_sample(seq)
     draw = torch.rand(batch_size, seq, generator=generator)
     chosen = draw.topk(targets, dim=1).indices
     masked = torch.zeros(batch_size, seq, dtype=torch.bool).scatter_(1, chosen, True)
@@ -172,33 +180,58 @@ def make_batch(size: SizeSpec, batch_size: int, generator: torch.Generator) -> B
     return {"input_ids": input_ids, "token_type_ids": token_type_ids, "labels": labels}
 
 
+def predictions_per_sample(seq: int) -> int:
+    return max(1, round(MASK_PROB * seq))
+
+
+def masked_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's masked positions (batch x k), k fixed by the sequence length as make_batch fixes it; a
+    top-k of the mask rather than nonzero(), so the shape does not depend on the data (fake-tensor traces)."""
+    return labels.ne(IGNORE).float().topk(predictions_per_sample(labels.shape[1]), dim=1).indices
+
+
 def forward(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(batch["input_ids"], batch["token_type_ids"])
 
 
 def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    # Logits for every position, as HuggingFace computes them; only the masked ones enter the loss.
-    logits = forward(model, batch)
-    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+    # Only the masked positions enter the loss: logits for every position (as HuggingFace computes them), or
+    # for the masked ones alone (dense_mlm_output), the same loss either way.
+    labels = batch["labels"]
+    if _config(model).dense_mlm_output:
+        positions = masked_positions(labels)
+        logits = model(batch["input_ids"], batch["token_type_ids"], positions)
+        labels = labels.gather(1, positions)
+    else:
+        logits = forward(model, batch)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+
+
+def _config(model: nn.Module) -> BertConfig:
+    """The Bert config of the model or of the Bert inside its wrapper (compile, data-parallel wrappers)."""
+    return model.cfg if isinstance(model, Bert) else next(m.cfg for m in model.modules() if isinstance(m, Bert))
 
 
 def block_lists(model: nn.Module) -> list[nn.Module]:
     return [model.layers]
 
 
-def forward_flops_per_sample(size: SizeSpec) -> float:
+def forward_flops_per_sample(size: SizeSpec, training: bool = False) -> float:
+    """A forward's FLOPs; `training`: the training loss's forward, whose MLM head may score the masked
+    positions only (dense_mlm_output), where inference scores every position."""
     cfg, seq = BertConfig(**size.config), size.seq_len
     d = cfg.n_embd
     layer_weights = 4 * d * d + 2 * d * cfg.hidden  # qkv + proj, then the FFN
     attention = 4 * seq * d  # QK^T and AV, 2 * S * d FLOPs each per token
     head = 2 * d * d + 2 * d * cfg.vocab_size  # MLM dense, then the tied decoder
-    return float(seq * (cfg.n_layer * (2 * layer_weights + attention) + head))
+    predicted = predictions_per_sample(seq) if training and cfg.dense_mlm_output else seq
+    return float(seq * cfg.n_layer * (2 * layer_weights + attention) + predicted * head)
 
 
 def train_flops_per_sample(size: SizeSpec) -> float:
     # Backward computes each matmul's grad for both operands, 2x forward; every input needs a grad since
     # the activations descend from the (trainable) embeddings.
-    return 3 * forward_flops_per_sample(size)
+    return 3 * forward_flops_per_sample(size, training=True)
 
 
 WORKLOAD = Workload(

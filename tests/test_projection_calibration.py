@@ -1,0 +1,40 @@
+"""The calibration script's own logic: published configs applied to the projected program, GPUs ranked per sample."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from benchmarks import projection_calibration as calibration
+from harness.profiles import load_profiles
+from harness.project.speed_fit import HeldOut
+
+
+def test_a_published_config_column_becomes_model_overrides():
+    assert calibration.config_overrides("vocab_size=30528;dense_mlm_output=1") == {
+        "vocab_size": 30528, "dense_mlm_output": 1}
+    assert calibration.config_overrides(float("nan")) == {} and calibration.config_overrides(" ") == {}
+
+
+def test_the_published_program_is_the_one_projected():
+    # NVIDIA's BERT runs its MLM head on the masked positions only: fewer matmul FLOPs than the default model.
+    profiles = load_profiles()
+
+    def matmul_flops(config):
+        point = calibration._point("x", "g", "bert", "smoke", "baseline", "a100-sxm4-80gb", 4, None, "train",
+                                   profiles, 1.0, "test", config=config)
+        return float((point.ops.flops * point.ops.count).sum())
+
+    assert matmul_flops({"dense_mlm_output": 1}) < matmul_flops(None)
+
+
+def _result(gpu, samples, measured_s, projected_s):
+    point = SimpleNamespace(label="cfg", gpu=gpu, samples=samples, measured_s=measured_s)
+    return HeldOut(point, projected_s)
+
+
+def test_gpus_measured_at_different_batches_are_ranked_per_sample():
+    # a's step (batch 256) takes 3.2x b's (batch 64), yet a is 1.25x faster per sample.
+    results = [_result("a", 256, 3.2, 3.0), _result("b", 64, 1.0, 1.1)]
+    line, = calibration.ranking_check(results)
+    assert line.startswith("cfg: measured a faster than b, projected a faster than b: same order")
+    assert "a / b speed-up measured 1.25x, projected 1.47x" in line
