@@ -27,9 +27,14 @@ LLAMA_SMOKE = dataclasses.replace(
     name="llama-smoke",
     config={**gpt.SIZES["smoke"].config, "family": "llama", "ffn_hidden": 96},
 )
-# BERT with its MLM head on the masked positions only, as NVIDIA's pre-training runs it.
-DENSE_BERT_SMOKE = dataclasses.replace(
-    bert.SIZES["smoke"], name="dense-smoke", config={**bert.SIZES["smoke"].config, "dense_mlm_output": True})
+
+
+def _dense_bert(size):
+    """`size` with its MLM head on the masked positions only, as NVIDIA's BERT pre-training runs it."""
+    return dataclasses.replace(size, name=f"dense-{size.name}", config={**size.config, "dense_mlm_output": True})
+
+
+DENSE_BERT_SMOKE = _dense_bert(bert.SIZES["smoke"])
 EXTRA_SMOKE = {("gpt", "llama"): LLAMA_SMOKE, ("bert", "dense-smoke"): DENSE_BERT_SMOKE}
 
 
@@ -197,10 +202,9 @@ def test_bert_dense_mlm_output_gives_the_same_loss_and_gradients_with_the_head_o
     # NVIDIA's BERT pre-training runs its MLM head on the masked positions alone ("dense sequence output");
     # the loss is the same, the head's FLOPs drop to the masked share (19 of 128 positions).
     size = bert.SIZES["smoke"]
-    dense_size = dataclasses.replace(size, config={**size.config, "dense_mlm_output": True})
     batch = _batch(bert.WORKLOAD, size, 3)
     losses, grads = [], []
-    for spec in (size, dense_size):
+    for spec in (size, DENSE_BERT_SMOKE):
         torch.manual_seed(0)
         model = bert.build(spec)
         value = bert.loss(model, batch)
@@ -213,7 +217,7 @@ def test_bert_dense_mlm_output_gives_the_same_loss_and_gradients_with_the_head_o
     assert positions.shape == (3, bert.predictions_per_sample(size.seq_len))
     assert (batch["labels"].gather(1, positions) != bert.IGNORE).all()
     large = bert.SIZES["bert-large"]
-    dense_large = dataclasses.replace(large, config={**large.config, "dense_mlm_output": True})
+    dense_large = _dense_bert(large)
     d, vocab = large.config["n_embd"], large.config["vocab_size"]
     head = 2 * d * d + 2 * d * vocab
     assert bert.train_flops_per_sample(large) - bert.train_flops_per_sample(dense_large) == 3 * (128 - 19) * head
