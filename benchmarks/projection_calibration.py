@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import warnings
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +27,16 @@ from harness.profiles import load_profiles
 from harness.project import project
 from harness.project.roofline import PHASES, op_arrays
 from harness.project.speed_constants import FIT_FILE, constants_for
-from harness.project.speed_fit import PARAMETERS, SpeedPoint, fit, held_out, projected_s, summary
+from harness.project.speed_fit import (
+    PARAMETERS,
+    PRIOR_SPREAD,
+    ROW_ERROR,
+    SpeedPoint,
+    fit,
+    held_out,
+    projected_s,
+    summary,
+)
 from suites.workloads import WORKLOADS
 
 PUBLISHED = Path(__file__).with_name("data") / "published_speed.csv"
@@ -87,9 +97,18 @@ def published_points(profiles) -> tuple[list[SpeedPoint], list[tuple[dict, Speed
     return fitted, caveated
 
 
-def current_values(point: SpeedPoint) -> dict[str, float]:
-    constants = point.base
+def values_of(constants) -> dict[str, float]:
+    """The fitted constants' values in `constants`."""
     return {name: getattr(constants.host if table == "host" else constants.gpu, name) for name, table, *_ in PARAMETERS}
+
+
+def current_values(point: SpeedPoint) -> dict[str, float]:
+    return values_of(point.base)
+
+
+def prior_values(profiles, gpu: str) -> dict[str, float]:
+    """The priors of `gpu`'s vendor (speed_constants.toml without the fit): what the fit is pulled towards."""
+    return values_of(constants_for(profiles[gpu].per_device(), fitted=None))
 
 
 def ranking_check(results) -> list[str]:
@@ -126,9 +145,14 @@ def main() -> None:
     published, caveated = published_points(profiles)
     points = ledger + published
     start = current_values(points[0])
-    print(f"{len(ledger)} ledger twins + {len(published)} published rows; fitting {len(PARAMETERS)} constants")
-    fitted = fit(points, start)
-    results = held_out(points, start)
+    vendors = {profiles[p.gpu].vendor for p in points}
+    if len(vendors) != 1:  # one table of GPU constants is fitted: rows of two vendors must not share it
+        raise SystemExit(f"calibration rows span vendors {sorted(vendors)}: fit one vendor at a time")
+    priors = prior_values(profiles, points[0].gpu)
+    print(f"{len(ledger)} ledger twins + {len(published)} published rows; fitting {len(PARAMETERS)} constants "
+          f"towards their priors (each within a factor of {math.exp(PRIOR_SPREAD):.0f}, rows to {ROW_ERROR:.0%})")
+    fitted = fit(points, start, priors)
+    results = held_out(points, start, priors)
     print(f"\n{'row':44} {'GPU':15} {'measured ms':>11} {'current':>8} {'held-out':>8}  source   "
           "(error = projected / measured - 1; current: the constants in use; held-out: fitted without the row's cell)")
     for result in results:
@@ -166,7 +190,10 @@ def write(fitted: dict[str, float], results, overall) -> None:
                 "held_out_median_abs_error": round(overall["median_abs"], 4),
                 "held_out_worst_abs_error": round(overall["worst_abs"], 4),
                 "held_out_bias": round(overall["mean"], 4),
-                "method": "least squares on log(projected / measured); held-out = leave one cell out",
+                "method": ("least squares on log(projected / measured), pulled towards the priors of "
+                           f"speed_constants.toml (each within a factor of {math.exp(PRIOR_SPREAD):.0f}; "
+                           f"rows to {ROW_ERROR:.0%}); "
+                           "held-out = leave one cell out"),
                 "sources": sources},
         "host": host, "gpu": {"nvidia": gpu}}
     header = "# Written by benchmarks/projection_calibration.py --write: constants fitted on the rows named in [fit].\n"

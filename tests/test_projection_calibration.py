@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import tomllib
 from types import SimpleNamespace
 
 from benchmarks import projection_calibration as calibration
 from harness.profiles import load_profiles
+from harness.project.speed_constants import CONSTANTS_FILE, constants_for
 from harness.project.speed_fit import HeldOut
 
 
@@ -38,3 +40,14 @@ def test_gpus_measured_at_different_batches_are_ranked_per_sample():
     line, = calibration.ranking_check(results)
     assert line.startswith("cfg: measured a faster than b, projected a faster than b: same order")
     assert "a / b speed-up measured 1.25x, projected 1.47x" in line
+
+
+def test_the_fit_is_pulled_towards_the_vendors_priors_not_towards_the_last_fit():
+    # The priors are speed_constants.toml's tables as written by hand, with speed_fit.toml's values ignored.
+    with open(CONSTANTS_FILE, "rb") as handle:
+        table = tomllib.load(handle)
+    priors = calibration.prior_values(load_profiles(), "a100-sxm4-80gb")
+    assert priors["bandwidth_efficiency"] == table["gpu"]["nvidia"]["bandwidth_efficiency"]
+    assert priors["issue_python_s"] == table["host"]["issue_python_s"]
+    fitted = calibration.values_of(constants_for(load_profiles()["a100-sxm4-80gb"].per_device()))
+    assert fitted != priors

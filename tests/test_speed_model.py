@@ -73,10 +73,14 @@ def test_unaligned_gemms_run_slower_than_aligned_ones():
 def test_the_host_issue_cost_decides_a_step_of_tiny_ops_and_not_one_of_big_ones():
     constants = constants_for(PROFILES["h100-sxm"])
     tiny = step_time(_gemm(1e6, count=1000), constants)
-    assert tiny.step_s == pytest.approx(tiny.issue_s, rel=0.05)  # the GPU waits on the host
+    busy = tiny.compute_s + tiny.memory_s + tiny.launch_s
+    # The GPU waits on the host: the step takes at least the issue time and at most issue plus kernels
+    # (no overlap), and most of it is the GPU idling.
+    assert tiny.issue_s > 2 * busy
+    assert tiny.issue_s <= tiny.step_s <= tiny.issue_s + busy
     assert tiny.overhead_s > 0.5 * tiny.step_s
     big = step_time(_gemm(1e13, count=10), constants)
-    assert big.issue_s < 0.01 * big.step_s and big.overhead_s == pytest.approx(0.0, abs=1e-9)
+    assert big.issue_s < 0.01 * big.step_s and big.overhead_s < 1e-3 * big.step_s  # hidden behind the kernels
 
 
 def test_a_profile_without_a_measured_matmul_rate_is_derated_by_generation_and_says_so():
@@ -192,13 +196,15 @@ def test_the_tf32_switch_is_restored_after_a_step():
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
 
 
-def test_the_fit_recovers_constants_from_steps_they_generated_and_held_out_errors_stay_small():
-    """Synthetic steps of several shapes timed by known constants: the fit must find them again."""
+_TRUTH = {"issue_python_s": 3e-5, "issue_engine_s": 8e-6, "issue_inference_s": 1.2e-5, "issue_conv_s": 2e-5,
+          "overlap": 3.0, "kernel_s": 3e-6, "saturation_flops_per_sm": 2e7, "conv_efficiency": 0.5,
+          "attention_efficiency": 0.7, "unaligned_efficiency": 0.5, "bandwidth_efficiency": 0.8}
+
+
+def _synthetic_gemm_steps() -> list[SpeedPoint]:
+    """GEMM-only steps of several shapes and issuers, timed by the constants in _TRUTH."""
     profile = PROFILES["h100-sxm"]
     base = constants_for(profile)
-    truth = {"issue_python_s": 3e-5, "issue_engine_s": 8e-6, "issue_inference_s": 1.2e-5, "issue_conv_s": 2e-5,
-             "overlap": 3.0, "kernel_s": 3e-6, "saturation_flops_per_sm": 2e7, "conv_efficiency": 0.5,
-             "attention_efficiency": 0.7, "unaligned_efficiency": 0.5, "bandwidth_efficiency": 0.8}
     points = []
     for index, (flops, count) in enumerate([(1e6, 500), (1e9, 300), (1e10, 200), (1e11, 100), (1e12, 40),
                                              (1e13, 10), (3e9, 800), (2e11, 60)]):
@@ -206,10 +212,30 @@ def test_the_fit_recovers_constants_from_steps_they_generated_and_held_out_error
             ops = _gemm(flops, count, aligned=aligned, issuer=("python", "engine", "inference")[index % 3])
             point = SpeedPoint(f"p{index}{aligned}", f"g{index}{aligned}", "synthetic", "bf16-mixed", profile.id,
                                ops, base, 1.0, "synthetic")
-            points.append(dataclasses.replace(point, measured_s=projected_s(point, truth)))
-    start = {k: v * 1.8 for k, v in truth.items()} | {"overlap": 2.0}
+            points.append(dataclasses.replace(point, measured_s=projected_s(point, _TRUTH)))
+    return points
+
+
+def test_the_fit_recovers_constants_from_steps_they_generated_and_held_out_errors_stay_small():
+    """Synthetic steps of several shapes timed by known constants: the fit must find them again."""
+    points = _synthetic_gemm_steps()
+    start = {k: v * 1.8 for k, v in _TRUTH.items()} | {"overlap": 2.0}
     found = fit(points, start)
     for point in points:
         assert projected_s(point, found) == pytest.approx(point.measured_s, rel=0.02)
     errors = [abs(r.error) for r in held_out(points[:8], start)]
     assert np.median(errors) < 0.05
+
+
+def test_a_fit_towards_priors_leaves_what_no_row_informs_at_its_prior_and_still_fits_the_rows():
+    """No synthetic step has a convolution: its constants are pulled to their priors (without priors they
+    stay wherever a start put them), while the steps are still reproduced."""
+    points = _synthetic_gemm_steps()
+    start = {k: v * 1.8 for k, v in _TRUTH.items()} | {"overlap": 2.0}
+    priors = {k: v * 1.5 for k, v in _TRUTH.items()} | {"attention_efficiency": 0.8}
+    pulled = fit(points, start, priors)
+    for name in ("conv_efficiency", "issue_conv_s"):
+        assert pulled[name] == pytest.approx(priors[name], rel=1e-3)
+        assert fit(points, start)[name] != pytest.approx(priors[name], rel=0.05)
+    for point in points:
+        assert projected_s(point, pulled) == pytest.approx(point.measured_s, rel=0.05)

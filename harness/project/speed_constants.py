@@ -75,10 +75,10 @@ def _merged(base: dict, over: dict) -> dict:
 
 
 @cache
-def _tables(path: Path = CONSTANTS_FILE, fitted: Path = FIT_FILE) -> dict:
+def _tables(path: Path = CONSTANTS_FILE, fitted: Path | None = FIT_FILE) -> dict:
     with open(path, "rb") as handle:
         data = tomllib.load(handle)
-    if fitted.exists():
+    if fitted is not None and fitted.exists():
         with open(fitted, "rb") as handle:
             data = _merged(data, tomllib.load(handle))
     return data
@@ -88,9 +88,10 @@ def _gpu(table: dict) -> dict:
     return {f.name: table[f.name] for f in fields(GpuConstants) if f.name in table}
 
 
-def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path = FIT_FILE) -> SpeedConstants:
+def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path | None = FIT_FILE) -> SpeedConstants:
     """The constants for `profile`'s vendor and generation; for a vendor nobody fitted, a calibrated
-    profile's measured kernel floor and issue cost replace the priors."""
+    profile's measured kernel floor and issue cost replace the priors. `fitted=None`: the priors alone
+    (what a fit is pulled towards)."""
     data = _tables(path, fitted)
     vendor_table = data["gpu"].get(profile.vendor, data["gpu"]["default"])
     values = _gpu(data["gpu"]["default"]) | _gpu(vendor_table)

@@ -2,7 +2,10 @@
 
 A point is one measured step (a twin from the ledger, or a published throughput) with its traced ops.
 The fit minimises the squared log error of the projected step time over the points with SciPy's bounded
-least squares, in log-parameter space (the constants span orders of magnitude). `held_out` refits with
+least squares, in log-parameter space (the constants span orders of magnitude), pulled towards the priors
+of speed_constants.toml as far as their stated uncertainty allows (a maximum a posteriori fit: on a few
+rows many constants trade off against each other, and without the pull they drift to a bound, e.g. 2 us
+of Python per op, to explain one row). `held_out` refits with
 each cell left out in turn (leave-one-group-out: a cell measured several times leaves as one) and
 projects the cell it did not see, which is the error to quote.
 """
@@ -34,6 +37,17 @@ PARAMETERS = (
     ("unaligned_efficiency", "gpu", 0.3, 1.0),    # padding GPT-2's vocabulary speeds its step ~25%
     ("bandwidth_efficiency", "gpu", 0.5, 0.95),
 )
+
+
+# The prior term's weight, as in a Gaussian posterior: a constant's log distance from its prior counts
+# in units of PRIOR_SPREAD (each prior is taken as known within a factor of 3, one standard deviation:
+# speed_constants.toml gives them from datasheets and papers, not from measurements of this model), and
+# a row's log error in units of ROW_ERROR (the error a row keeps even with the right constants: the
+# model's own inexactness, taken as the target median of 15%). Not tuned: prior weights from 1.5 times
+# smaller to 44 times larger gave held-out medians of 11.4-15.7% and worsts of 54-71% on the 22 rows of
+# 2026-12-03 (without the pull: 13-17% and 78%, depending on the start).
+PRIOR_SPREAD = math.log(3.0)
+ROW_ERROR = 0.15
 
 
 @dataclass(frozen=True)
@@ -68,18 +82,27 @@ def _vector_to_values(x: np.ndarray) -> dict[str, float]:
     return {name: float(math.exp(v)) for (name, *_), v in zip(PARAMETERS, x, strict=True)}
 
 
-def fit(points: list[SpeedPoint], start: dict[str, float]) -> dict[str, float]:
-    """The constants minimising a robust log error over `points`, the better of two starts: `start` and
-    the middle of every bound (the problem has local minima on few rows)."""
+def fit(points: list[SpeedPoint], start: dict[str, float], priors: dict[str, float] | None = None) -> dict[str, float]:
+    """The constants minimising a robust log error over `points`, plus, with `priors`, each constant's
+    log distance from its prior (weighted by ROW_ERROR / PRIOR_SPREAD); the best of several starts
+    (`start`, the priors, the middle of every bound: the problem has local minima on few rows)."""
     low = np.log([p[2] for p in PARAMETERS])
     high = np.log([p[3] for p in PARAMETERS])
 
+    def clipped(values: dict[str, float]) -> np.ndarray:
+        return np.clip(np.log([values[p[0]] for p in PARAMETERS]), low + 1e-9, high - 1e-9)
+
+    prior_x = clipped(priors) if priors else None
+
     def residuals(x):
         values = _vector_to_values(x)
-        return np.array([math.log(projected_s(p, values) / p.measured_s) for p in points])
+        rows = [math.log(projected_s(p, values) / p.measured_s) for p in points]
+        pull = [] if prior_x is None else list(ROW_ERROR * (x - prior_x) / PRIOR_SPREAD)
+        return np.array(rows + pull)
 
     best = None
-    for x0 in (np.clip(np.log([start[p[0]] for p in PARAMETERS]), low + 1e-9, high - 1e-9), (low + high) / 2):
+    starts = [clipped(start)] + ([prior_x] if prior_x is not None else []) + [(low + high) / 2]
+    for x0 in starts:
         # soft_l1: a robust loss, so one cell the model cannot explain (a published script with fused
         # kernels we do not trace) does not drag every other projection towards it.
         result = least_squares(residuals, x0, bounds=(low, high), x_scale=1.0, diff_step=1e-3, loss="soft_l1",
@@ -100,12 +123,13 @@ class HeldOut:
         return self.projected_s / self.point.measured_s - 1
 
 
-def held_out(points: list[SpeedPoint], start: dict[str, float]) -> list[HeldOut]:
-    """Each point projected by constants fitted without its cell."""
+def held_out(points: list[SpeedPoint], start: dict[str, float], priors: dict[str, float] | None = None
+             ) -> list[HeldOut]:
+    """Each point projected by constants fitted (towards `priors`) without its cell."""
     out = []
     for group in dict.fromkeys(p.group for p in points):
         training = [p for p in points if p.group != group]
-        values = fit(training, start)
+        values = fit(training, start, priors)
         out.extend(HeldOut(p, projected_s(p, values)) for p in points if p.group == group)
     return out
 
