@@ -102,10 +102,6 @@ def values_of(constants) -> dict[str, float]:
     return {name: getattr(constants.host if table == "host" else constants.gpu, name) for name, table, *_ in PARAMETERS}
 
 
-def current_values(point: SpeedPoint) -> dict[str, float]:
-    return values_of(point.base)
-
-
 def prior_values(profiles, gpu: str) -> dict[str, float]:
     """The priors of `gpu`'s vendor (speed_constants.toml without the fit): what the fit is pulled towards."""
     return values_of(constants_for(profiles[gpu].per_device(), fitted=None))
@@ -144,7 +140,7 @@ def main() -> None:
     ledger = ledger_points(profiles)
     published, caveated = published_points(profiles)
     points = ledger + published
-    start = current_values(points[0])
+    start = values_of(points[0].base)
     vendors = {profiles[p.gpu].vendor for p in points}
     if len(vendors) != 1:  # one table of GPU constants is fitted: rows of two vendors must not share it
         raise SystemExit(f"calibration rows span vendors {sorted(vendors)}: fit one vendor at a time")
@@ -157,7 +153,7 @@ def main() -> None:
           "(error = projected / measured - 1; current: the constants in use; held-out: fitted without the row's cell)")
     for result in results:
         point = result.point
-        current = projected_s(point, current_values(point)) / point.measured_s - 1
+        current = projected_s(point, values_of(point.base)) / point.measured_s - 1
         print(f"{point.label:44} {point.gpu:15} {point.measured_s * 1e3:11.2f} {current:+8.1%} {result.error:+8.1%}"
               f"  {point.source[:60]}")
     for row, point in caveated:
