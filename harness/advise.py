@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from suites.techniques.accumulation import DEFAULT_MICRO_BATCHES
+
 GIB = 2**30
 
 # Stacks tried for a cell that does not fit, cheapest in engineering first. Full fine-tuning keeps the
@@ -24,7 +26,7 @@ TRAIN_STACKS = ("amp-bf16", "amp-fp16", "checkpointing", "amp-bf16+checkpointing
 INFER_STACKS = ("bf16-weights", "fp16-weights", "bf16-weights+kv-int8", "bf16-weights+group-quant",
                 "bf16-weights+group-quant-int4", "bf16-weights+group-quant-int4+kv-int8")
 CHANGES_TRAINING = {"lora": "trains adapters only", "qlora": "trains adapters on 4-bit frozen weights",
-                    "grad-accumulation": "same global batch in 4 micro-batches"}
+                    "grad-accumulation": f"same global batch in {DEFAULT_MICRO_BATCHES} micro-batches"}
 
 
 def memory_left(reserved, overhead, capacity, allocated=None, fits=None) -> float | None:

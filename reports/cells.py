@@ -9,9 +9,9 @@ import pandas as pd
 CELL = ["workload", "size", "mode", "technique", "gpu", "batch_size", "world_size", "seq_len"]
 
 
-def gpu_cells(frame: pd.DataFrame, capacities: dict, single_device: bool = False) -> pd.DataFrame:
-    """Cell rows on the GPUs of `capacities` (not the CPU), measured rows replacing projected twins;
-    `single_device` keeps only cells on one device."""
+def gpu_cells(frame: pd.DataFrame, capacities: dict, single_device: bool = False, twins: bool = False) -> pd.DataFrame:
+    """Cell rows on the GPUs of `capacities` (not the CPU), measured rows replacing projected twins (kept
+    beside them with `twins`); `single_device` keeps only cells on one device."""
     if not len(frame):
         return frame
     rows = frame[frame["gpu"].isin(capacities)]
@@ -20,7 +20,7 @@ def gpu_cells(frame: pd.DataFrame, capacities: dict, single_device: bool = False
     if single_device and "world_size" in rows:
         rows = rows[pd.to_numeric(rows["world_size"], errors="coerce").fillna(1) <= 1]
     key = [column for column in CELL if column in rows]
-    if not len(rows):
+    if not len(rows) or twins:
         return rows
     keys = pd.Series(["|".join(map(str, values)) for values in rows[key].itertuples(index=False)], index=rows.index)
     measured = set(keys[rows["source"] == "measured"])

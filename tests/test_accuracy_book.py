@@ -83,7 +83,7 @@ def test_a_decoder_is_scored_as_served_so_the_int8_cache_counts(tiny_budgets, lo
                      progress=lambda line: None)
     kv = book.rows[("gpt", "kv-int8")]
     assert kv.status == "ok" and kv.metric == "bits-per-byte" and kv.higher_is_better is False
-    assert kv.agreement > 0.9 and kv.kl < 0.05
+    assert kv.agreement > 0.9 and 0 < kv.kl < 0.05  # the int8 cache changes the outputs, a little
     pruned = book.rows[("gpt", "structured-pruning")]
     assert pruned.status == "ok" and "fine-tuned" in pruned.notes
     assert math.isfinite(pruned.accuracy)

@@ -147,13 +147,17 @@ def test_adapters_refuse_layers_another_technique_replaced(stack, message):
 
 
 def test_storing_frozen_weights_keeps_tied_and_subclassed_layers_as_they_are():
-    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False), nn.Linear(8, 8))
+    class OwnLinear(nn.Linear):  # stands for Float8Linear, a QAT layer or NF4Linear: its own forward
+        pass
+
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False), nn.Linear(8, 8), OwnLinear(8, 8))
     model[1].weight = model[0].weight  # a head tied to the embedding
     for p in model.parameters():
         p.requires_grad_(False)
-    assert store_frozen_in(model, torch.bfloat16) == 1  # only the untied Linear
+    assert store_frozen_in(model, torch.bfloat16) == 1  # only the untied, plain Linear
     assert model[1].weight is model[0].weight and model[1].weight.dtype == torch.float32
     assert model[2].weight.dtype == torch.bfloat16
+    assert model[3].weight.dtype == model[3].bias.dtype == torch.float32
 
 
 def test_qlora_runs_under_fp16_autocast():

@@ -72,10 +72,13 @@ def test_expandable_segments_split_large_blocks_down_to_512_bytes():
 
 
 def test_expandable_segments_unmap_free_pages_before_declaring_oom():
-    # 4 x 16 MiB maps 80 MiB; with all freed, a 96 MiB request under a 100 MiB cap needs the free
-    # pages unmapped first (release_cached_blocks), then fits.
-    log = _allocs(0, 4, 16 * MiB) + _frees(*range(4)) + [("alloc", 9, 96 * MiB)]
+    # 5 x 16 MiB maps four 20 MiB pages; with the first four blocks freed, 64 MiB is free at the front and
+    # the last block pins the fourth page. A 72 MiB request fits neither the hole nor the tail (80 + 80 MiB
+    # mapped > 100 MiB): only unmapping the three wholly free pages first (release_cached_blocks) leaves
+    # room for its four pages (20 + 80 = 100 MiB).
+    log = _allocs(0, 5, 16 * MiB) + _frees(*range(4)) + [("alloc", 9, 72 * MiB)]
     assert not replay(log, "expandable_segments", capacity=100 * MiB).oom
+    assert replay(log, "expandable_segments", capacity=100 * MiB - 1).oom
     assert replay(_allocs(0, 6, 16 * MiB), "expandable_segments", capacity=90 * MiB).oom
 
 

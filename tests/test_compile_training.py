@@ -4,15 +4,19 @@ while the optimizer step stays eager."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from harness.cell import Cell
+from harness.measure import local
 from harness.measure.local import MeasureSettings, measure
 from harness.outcome import to_record
 from harness.profiles import load_profiles
 from harness.project import project
 from harness.project.roofline import PHASES, estimate
+from suites.step import Step
 from tests.smoke_steps import smoke_losses
 
 PROFILES = load_profiles()
@@ -26,10 +30,35 @@ def test_a_compiled_training_step_matches_the_eager_one_and_its_compile_time_is_
     # Inductor reorders reductions: the same training, not the same bits.
     torch.testing.assert_close(losses["compile"], losses["baseline"], rtol=1e-4, atol=1e-4)
     torch._dynamo.reset()  # forget the graphs compiled above, or the cell reuses them and compiles nothing
-    cell = Cell("gpt", "smoke", "train", "compile", "cpu", 2).resolve(PROFILES)
-    row = to_record(cell, measure(cell, MeasureSettings(warmup=1, steps=10, repeats=1)), "t")
-    assert row.status == "ok" and "warmup_s" in row.notes
-    assert row.warmup_s > 20 * row.step_time_ms_p50 / 1e3  # compiling takes far longer than a step
+    # Which step call each compilation starts in, and how many calls the warm-up made before the measured
+    # steps began: every compilation must fall in the warm-up, none in the measured steps.
+    calls, compiled_in, warm_up_calls = [0], [], []
+    step_call, probe_for = Step.__call__, local.probe_for
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return step_call(self, *args, **kwargs)
+
+    def marking_probe(device):
+        probe = probe_for(device)
+        begin = probe.begin_measured_step
+        probe.begin_measured_step = lambda: (warm_up_calls.append(calls[0]), begin())
+        return probe
+
+    def started(*_):  # torch >= 2.7 passes the compile's CallbackArgs, 2.6 nothing
+        compiled_in.append(calls[0])
+
+    callbacks = torch._dynamo.callback.callback_handler
+    callbacks.register_start_callback(started)
+    try:
+        with mock.patch.object(Step, "__call__", counted), mock.patch.object(local, "probe_for", marking_probe):
+            cell = Cell("gpt", "smoke", "train", "compile", "cpu", 2).resolve(PROFILES)
+            row = to_record(cell, measure(cell, MeasureSettings(warmup=1, steps=10, repeats=1)), "t")
+    finally:
+        callbacks.remove_start_callback(started)
+    assert row.status == "ok" and "warmup_s" in row.notes and row.warmup_s > 0
+    assert warm_up_calls == [1] and calls[0] > 10  # one warm-up call, then the measured and timed steps
+    assert compiled_in and max(compiled_in) <= warm_up_calls[0], (compiled_in, warm_up_calls)
 
 
 def test_a_compiled_training_step_projects_fused_elementwise_ops_and_an_eager_optimizer():

@@ -38,19 +38,26 @@ def test_the_guide_scenario_needs_the_cache_freed_on_a_tight_device():
     assert roomy.largest_free_block_bytes == GiB
     tight = replay_fragmentation(guide_events(), "native", 7 * GiB, "g")
     assert not tight.oom and tight.retries == 1 and tight.peak_reserved_bytes == 6 * GiB  # freed, then served
-    assert replay_fragmentation(guide_events(), "native", int(4.5 * GiB), "g").oom  # 3 live + 2 do not fit
+    # Asked for 4 GiB on 6.5 GiB: the cache is freed (one retry) and 3 live + 4 GiB still do not fit.
+    short = replay_fragmentation(guide_events(request=4 * GiB), "native", int(6.5 * GiB), "g")
+    assert short.oom and short.retries == 1
     expandable = replay_fragmentation(guide_events(), "expandable_segments", 7 * GiB, "g")
     assert not expandable.oom and expandable.retries == 1
 
 
 def test_a_variable_length_loop_fragments_the_native_allocator_most():
-    cell = Cell("gpt", "smoke", "train", "baseline", "h100-sxm", 4, source="projected").resolve(PROFILES)
+    # gpt2-124m's shapes at two layers: a smoke size's blocks are too small to tell the allocators apart.
+    spec = get_workload("gpt").with_depth(get_workload("gpt").size("gpt2-124m"), 2)
+    cell = Cell("gpt", "gpt2-124m", "train", "baseline", "h100-sxm", 4, source="projected").resolve(PROFILES, spec=spec)
     events, lengths = variable_length_events(cell, steps=6)
-    assert len(lengths) == 6 and len(set(lengths)) > 1 and all(8 <= length <= 64 for length in lengths)
+    assert len(lengths) == 6 and len(set(lengths)) > 1 and all(64 <= length <= 1024 for length in lengths)
     assert variable_length_events(cell, steps=6)[1] == lengths  # seeded: the same loop every time
     results = {s: replay_fragmentation(events, s, None, "loop") for s in ("native", "expandable_segments",
                                                                             "cudaMallocAsync")}
-    assert results["native"].waste >= results["expandable_segments"].waste >= results["cudaMallocAsync"].waste == 0
+    # Native caches blocks sized for other lengths (half its reserve unused at the peak); expandable
+    # segments reuse the same pages; the async pool is modelled at the live bytes (no waste by construction).
+    assert results["native"].waste > 0.2 > 0.05 > results["expandable_segments"].waste
+    assert results["cudaMallocAsync"].waste == 0
 
 
 def test_the_fragmentation_workload_draws_a_seeded_length_per_step_and_is_run_only_when_named():
@@ -77,12 +84,14 @@ def test_projected_over_its_loop_the_native_allocator_reserves_more_than_for_one
     expandable = projected("fragmentation", "amp-bf16+alloc-expandable")
     assert expandable.memory.peak_reserved < loop.memory.peak_reserved
     assert loop.speed.step_time_ms_p50 < fixed.speed.step_time_ms_p50  # shorter steps on average
-    assert "sequence lengths 832, 896, 128" in loop.notes[0] and "not allocated" in loop.notes[1]
+    drawn = step_lengths(get_workload("fragmentation").size("gpt2-124m"))
+    assert f"sequence lengths {', '.join(map(str, drawn))}," in loop.notes[0] and "not allocated" in loop.notes[1]
     # Its tokens and FLOPs per sample are the loop's mean step's, so tokens/s and MFU are not overstated.
     record = to_record(Cell("fragmentation", "gpt2-124m", "train", "amp-bf16", "h100-sxm", 4,
                             source="projected").resolve(PROFILES), loop, "test")
-    mean = sum(step_lengths(get_workload("fragmentation").size("gpt2-124m"))) / 8
-    assert record.seq_len == round(mean) and record.tokens_per_s == pytest.approx(record.throughput_samples_s * 744)
+    mean = sum(drawn) / len(drawn)
+    assert max(drawn) > mean > min(drawn)  # a loop of several lengths, so the mean is not the longest's
+    assert record.seq_len == round(mean) and record.tokens_per_s == pytest.approx(record.throughput_samples_s * mean)
     infer = Cell("fragmentation", "gpt2-124m", "infer", "amp-bf16", "h100-sxm", 4, source="projected").resolve(PROFILES)
     assert to_record(infer, project_outcome(infer), "test").seq_len == 1024  # one forward at the whole length
 

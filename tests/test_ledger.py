@@ -81,15 +81,19 @@ def test_an_interval_is_a_prediction_interval_over_cells_of_the_closest_kind():
     half = 4.303 * ratios.std(ddof=1) * np.sqrt(1 + 1 / 3)  # Student's t, 2 degrees of freedom
     assert bar.high == pytest.approx(100 * np.exp(ratios.mean() + half))
     assert bar.low == pytest.approx(min(100.0, 100 * np.exp(ratios.mean() - half)))  # the projection stays inside
-    # A floor: never narrower than the model's held-out error.
+    # A floor: never narrower than the model's held-out error (log 1.8 = 0.59 is wider than the t half-width
+    # 0.41, so the floor, not the spread, sets both ends around the cells' mean).
+    assert np.log(1.8) > half
     floored = interval(100.0, ledger, "measured_step_ms", "projected_step_ms", "gpt", "bf16-mixed", "hopper",
-                       floor=0.5)
-    assert floored.high >= 100 * np.exp(ratios.mean() + np.log(1.5)) - 1e-9
-    # Only other generations: the kind says so and, given one, the cross-generation floor applies.
+                       floor=0.8)
+    assert floored.high == pytest.approx(100 * np.exp(ratios.mean() + np.log(1.8)))
+    assert floored.low == pytest.approx(100 * np.exp(ratios.mean() - np.log(1.8)))
+    # Only other generations: the kind says so and, given one, the cross-generation floor (wider still) applies.
     other = interval(100.0, ledger, "measured_step_ms", "projected_step_ms", "gpt", "bf16-mixed", "blackwell",
-                     other_generations_floor=0.8)
+                     floor=0.8, other_generations_floor=1.0)
     assert other.cells == 3 and "all on hopper: widened" in other.basis
-    assert other.low <= 100 / 1.8 + 1e-9 or other.high >= 100 * 1.8
+    assert other.high == pytest.approx(100 * np.exp(ratios.mean() + np.log(2.0)))
+    assert other.low == pytest.approx(100 * np.exp(ratios.mean() - np.log(2.0)))
     empty = interval(100.0, ledger.iloc[:0], "measured_step_ms", "projected_step_ms", "gpt", "fp32", "hopper")
     assert (empty.low, empty.high, empty.cells) == (100.0 / NO_PAIRS_FACTOR, 100.0 * NO_PAIRS_FACTOR, 0)
     assert "no measured pairs" in empty.basis

@@ -18,6 +18,7 @@ from harness.measure.distributed import fold
 from harness.plan import parse_shard, plan_run, shard
 from harness.profiles import detect_local, load_profiles
 from harness.records import Record
+from reports.claims import c13_errors, judge_c13
 from tests.parallel_worker import losses
 
 PROFILES = load_profiles(None)
@@ -104,19 +105,12 @@ def test_fsdp_over_groups_of_tensor_parallel_ranks_on_a_2d_mesh_keeps_the_loss(s
 def test_a_column_parallel_layer_equals_the_whole_layer_and_the_guides_sample_does_not(tmp_path):
     result = _worker("column", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"])
     assert result["max_error"] == 0.0 and result["local_shape"] == [4, 4]  # each rank: half the outputs
-    # The guide's sample (C13), run for both ranks: it chunks the input's batch, multiplies by the rank's
+    # The guide's sample (C13), as the report judges it: it chunks the input's batch, multiplies by the rank's
     # weight shard and concatenates that same local output world_size times instead of gathering.
-    torch.manual_seed(0)
-    weight, x = torch.randn(8, 16), torch.randn(4, 16)
-    whole = torch.nn.functional.linear(x, weight)
-    world = 2
-    for rank in range(world):
-        local = torch.nn.functional.linear(x.chunk(world)[rank], weight.chunk(world)[rank])
-        guide = torch.cat([local for _ in range(world)], dim=-1)
-        assert guide.shape != whole.shape  # half the samples: the other rank's rows are missing
-        assert not torch.allclose(guide, whole[rank * 2:(rank + 1) * 2])  # and the columns repeat one shard
-    gathered = torch.cat([torch.nn.functional.linear(x, w) for w in weight.chunk(world)], dim=-1)
-    torch.testing.assert_close(gathered, whole)  # the fix: shard the weight's outputs, gather every rank's part
+    sample_error, gathered_error, rows = c13_errors()
+    assert rows == 2 and sample_error > 0.1  # half the batch's rows, and the columns repeat one shard
+    assert gathered_error < 1e-5  # the fix: shard the weight's outputs, gather every rank's part
+    assert judge_c13()["verdict"] == "contradicted: the sample is wrong; GUIDE.md C13's correction holds"
 
 
 def test_the_bytes_a_rank_sends_are_counted_as_ring_collectives_and_sends(tmp_path):

@@ -277,7 +277,7 @@ def test_expert_parallel_ranks_hold_their_experts_and_exchange_every_moe_layers_
     # Mixtral: 32 MoE layers, 8 experts of 3 x 4096 x 14336, capacity 1.25 x 2 x 4096 / 8 = 1280 tokens each.
     assert (layers, buffer) == (32, 8 * 1280 * 4096)
     experts = 32 * 8 * 3 * 4096 * 14336
-    assert replicated == 46_702_792_704 - experts
+    assert replicated == 46_702_792_704 - experts  # Mixtral-8x7B's parameters (Mistral AI, model card: 46.7B)
     assert spread.memory.params == 4 * (replicated + experts // 8)  # fp32 weights: the rest whole, 1/8 of experts
     # Per micro-batch: out (fp32) and back (bf16), forward and backward, 7/8 of the buffer leaving.
     assert all_to_all_bytes(8, 32, buffer, 2) == pytest.approx(2 * 32 * 7 / 8 * buffer * 6)

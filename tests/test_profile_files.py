@@ -221,15 +221,15 @@ def test_measured_at_runtime_nested_list_is_a_profile_error(tmp_path):
         load_profile(path)
 
 
-def test_accepted_compute_capability_has_a_cc_tuple(tmp_path):
+def test_a_compute_capability_of_non_ascii_digits_is_refused_and_an_accepted_one_has_a_cc_tuple(tmp_path):
+    # "²" is a digit to str.isdigit() but not to int(): it must be refused, not crash later in cc_tuple.
     path = tmp_path / f"{BASE_ID}.toml"
     path.write_text(_sub(r'^compute_capability = ".*"$', 'compute_capability = "\u00b2.0"')(BASE_TEXT),
                     encoding="utf-8")
-    try:
-        profile = load_profile(path)
-    except ProfileError:
-        return
-    assert all(isinstance(part, int) for part in profile.cc_tuple)
+    with pytest.raises(ProfileError, match="compute_capability"):
+        load_profile(path)
+    path.write_text(_sub(r'^compute_capability = ".*"$', 'compute_capability = "9.0"')(BASE_TEXT), encoding="utf-8")
+    assert load_profile(path).cc_tuple == (9, 0)
 
 
 def test_error_for_key_with_newline_is_one_line(tmp_path):

@@ -15,8 +15,8 @@ from harness.cli import main
 from harness.measure.local import MeasureSettings, measure
 from harness.outcome import to_record
 from harness.profiles import load_profiles
-from harness.project import MAX_BATCH_LIMIT, max_batch, project, project_outcome, traced
-from harness.project.memory import _reserved, _with_workspaces, _workspaces_for, library_workspaces
+from harness.project import MAX_BATCH_LIMIT, max_batch, oom_reason, project, project_outcome, traced
+from harness.project.memory import MemoryProjection, _reserved, _with_workspaces, _workspaces_for, library_workspaces
 from harness.project.roofline import estimate
 from suites.techniques import TECHNIQUES, parse_stack
 from suites.workloads import WORKLOADS
@@ -172,17 +172,26 @@ def test_gpt3_175b_training_does_not_fit_one_gpu_and_says_by_how_much():
 
 
 def test_an_oom_reason_states_its_figures_without_rounding_them_into_a_contradiction():
-    # Just past the largest batch on an L4 (267): one cell whose live bytes would fit but not its
-    # segments, one whose live bytes do not (22.0 GiB + 0.5 GiB > 22.5 GiB read as false when rounded).
-    l4 = PROFILES["l4"]
-    forms = set()
-    for batch in (268, 269):
-        record = project_cell(Cell("resnet50", "resnet50", "train", "baseline", l4.id, batch, source="projected"))
-        figures = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) MiB", record.reason)]
-        needed, context, capacity = figures[:3]
-        assert record.status == "oom" and needed + context > capacity, record.reason
-        forms.add("reserved" if "reserved" in record.reason else "allocated")
-    assert forms == {"reserved", "allocated"}
+    # On the rounding edge: 22,528.4 MiB allocated + 512 MiB context > 23,040.3 MiB, which rounded to the
+    # nearest MiB would read 22,528 + 512 > 23,040 (false); needed figures round up, capacity down.
+    def reason(allocated, reserved, allocator="native"):
+        memory = MemoryProjection(peak_allocated=allocated, reserved={allocator: reserved}, params=0, grads=0,
+                                  optimizer=0, activations=0, temporaries=0, workspaces=0, overhead=512 * MiB,
+                                  capacity=23_040 * MiB + 3 * MiB // 10, allocator=allocator)
+        text = oom_reason(memory, "l4")
+        needed, context, capacity = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) MiB", text)][:3]
+        assert needed + context > capacity, text
+        return text
+
+    edge = 22_528 * MiB + 4 * MiB // 10
+    assert "allocated at its peak" in reason(edge, 23_552 * MiB)
+    native = reason(21_504 * MiB, edge)  # live bytes fit, its segments do not
+    assert "freeing the cached blocks" in native and "21,504 MiB allocated" in native
+    assert "reserved under expandable_segments" in reason(21_504 * MiB, edge, "expandable_segments")
+    # And a real cell past the largest batch on an L4 says the same, in figures that add up.
+    record = project_cell(Cell("resnet50", "resnet50", "train", "baseline", "l4", 400, source="projected"))
+    figures = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) MiB", record.reason)]
+    assert record.status == "oom" and figures[0] + figures[1] > figures[2], record.reason
 
 
 def test_a_step_fits_when_freeing_the_allocators_cache_makes_room():

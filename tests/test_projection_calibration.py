@@ -42,7 +42,7 @@ def test_gpus_measured_at_different_batches_are_ranked_per_sample():
     assert "a / b speed-up measured 1.25x, projected 1.47x" in line
 
 
-def test_the_fit_is_pulled_towards_the_vendors_priors_not_towards_the_last_fit():
+def test_the_priors_are_the_hand_written_tables_not_the_last_fit():
     # The priors are speed_constants.toml's tables as written by hand, with speed_fit.toml's values ignored.
     with open(CONSTANTS_FILE, "rb") as handle:
         table = tomllib.load(handle)

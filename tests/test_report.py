@@ -356,6 +356,7 @@ def test_serving_sections_show_generations_and_the_matrix_with_c1():
     assert row["generated"] == "20" and row["KV cache"] == "2.0 GiB" and row["decode bandwidth use"] == "70.0%"
     table = sections["Serving: which GPU holds which model (projected)"][0]
     assert _row_by(table, "size", "gpt-70b")["largest batch at 4k"] == "does not fit"
+    # C1 from the matrix: 13B in bf16 with 80 - 30 GiB to spare holds 13e9 + 50 GiB / 2 bytes = 39.8B, 3.1x.
     assert "contradicted by 3.1x" in html and "<svg" in html and XSS not in html
 
 

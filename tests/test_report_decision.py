@@ -197,3 +197,61 @@ def test_the_strategy_table_sets_the_rows_recommendation_beside_the_guides():
     assert table["<1B"]["rows recommend"].startswith("baseline, the best value on one GPU for 1 of 1 sizes")
     assert table["<1B"]["verdict"] == "disagrees"
     assert table[">10B"]["verdict"] == "agrees" and "several GPUs" in table[">10B"]["rows recommend"]
+
+
+def _claims(*rows) -> dict:
+    return {c["id"]: c for c in judge_claims(records_frame(list(rows)), CAPACITIES)}
+
+
+def test_c2_explains_the_bytes_it_found_and_judges_fp16_parameters_on_mixed_precision_rows():
+    # Projected amp-bf16 rows: fp32 master weights (4 B/param) and AdamW at 8 B/param.
+    c2 = _claims(_row())["C2"]
+    assert c2["verdict"] == ("contradicted: Adam's state is 2.0x smaller than stated; FP16 parameters at 2 B/param: "
+                             "not in mixed-precision training (4.0 B/param)")
+    assert "(two fp32 moments)" in c2["found"] and "fp32 master weights" in c2["found"]
+    assert c2["rows"] == "1 projected training rows (baseline, amp-*)"
+    # Were the state 16 B/param, the claim would hold and the page would not explain it away.
+    held = _claims(_row(optimizer_bytes=16_000_000))["C2"]
+    assert held["verdict"].startswith("supported;") and "not Adam's" not in held["found"]
+    assert _claims(_row(optimizer_bytes=32_000_000))["C2"]["verdict"].startswith(
+        "contradicted: Adam's state is 2.0x larger")
+
+
+def test_c3_says_what_its_row_lacks_instead_of_judging_it():
+    big = dict(size="gpt3-175b", param_count=175_000_000_000, params_bytes=700e9, batch_size=8)
+    c3 = _claims(_row(**big, optimizer_bytes=None, activations_bytes=None))["C3"]
+    assert c3["verdict"].startswith("contradicted: parameters 2.00x the stated")
+    assert "optimizer state, activations at batch 1024 not measurable" in c3["verdict"] and "nan" not in c3["verdict"]
+    assert "the total" not in c3["verdict"]  # unknown without the optimizer's and the activations' bytes
+
+
+def test_c8_pairs_accumulation_with_a_baseline_of_its_own_source():
+    accumulated = _row(gpu="h100-sxm", technique="grad-accumulation", batch_size=8, source="measured",
+                       peak_reserved_bytes=int(2.2 * GIB))
+    projected_micro = _row(gpu="h100-sxm", technique="baseline", batch_size=2, peak_reserved_bytes=2 * GIB)
+    assert _claims(accumulated, projected_micro)["C8"]["rows"] == "none"  # measured against projected: no pair
+    measured_micro = dict(projected_micro, source="measured")
+    c8 = _claims(accumulated, measured_micro)["C8"]
+    assert c8["rows"] == "1 measured pairs" and c8["verdict"] == "supported" and "+10%" in c8["found"]
+
+
+def test_c11_says_tensor_parallelism_splits_weights_only_where_rank_rows_show_it():
+    assert "not in these rows" in _claims(_row())["C11"]["verdict"]
+    whole = _row(technique="baseline", size="gpt2-124m", source="measured", params_bytes=500_000_000)
+    rank = dict(whole, technique="tensor-parallel", world_size=2, rank=0)
+    assert "does split the sharded weights" in _claims(whole, dict(rank, params_bytes=300_000_000))["C11"]["verdict"]
+    assert "not a split" in _claims(whole, dict(rank, params_bytes=500_000_000))["C11"]["verdict"]
+
+
+def test_c14_and_c15_judge_what_the_rows_hold():
+    assert "no multi-GPU cells in these results" in _claims(_row())["C14"]["verdict"]
+    sharded = _row(technique="fsdp+amp-bf16", world_size=8)
+    assert "1 multi-GPU cells in these results" in _claims(_row(), sharded)["C14"]["verdict"]
+    # A measured A100 row and the projected H100's: the A100's projected twin is what the H100 is set against.
+    a100 = dict(gpu="a100-sxm4-80gb", usd_per_million_samples=1.0)
+    rows = [_row(**a100, source="measured", throughput_samples_s=10.0),
+            _row(**a100, throughput_samples_s=20.0),
+            _row(gpu="h100-sxm", throughput_samples_s=40.0, usd_per_million_samples=1.5)]
+    c15 = _claims(*rows)["C15"]
+    assert "h100-sxm runs x2.00 as fast as a100-sxm4-80gb" in c15["found"] and "1 projected cells" in c15["found"]
+    assert c15["rows"] == "projected cells on both GPUs" and c15["verdict"].startswith("train contradicted")

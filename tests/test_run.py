@@ -202,12 +202,17 @@ def test_a_resumed_run_keeps_its_run_id_so_twins_made_across_the_resume_pair(tmp
     from harness.records import Record
     from harness.runner import attach_twin_errors
 
-    store = ResultsStore(tmp_path)
     identity = dict(workload="gpt", size="gpt2-124m", mode="train", technique="baseline", gpu="h200",
                     batch_size=8, status="ok")
-    store.add(Record(**identity, run_id="first", source="measured", cell_id="m", peak_allocated_bytes=1000))
-    assert store.recorded_run_id() == "first"
-    store.add(Record(**identity, run_id="first", source="projected", cell_id="p", peak_allocated_bytes=1100))
+    first = ResultsStore(tmp_path)
+    assert first.open("first") == "first"
+    first.add(Record(**identity, run_id="first", source="measured", cell_id="m", peak_allocated_bytes=1000))
+    first._lock_handle.close()  # the first run ends (killed, say), and its lock goes with it
+    # Resumed under a new id, the run goes on under the one its folder holds.
+    store = ResultsStore(tmp_path)
+    run_id = store.open("second", resume=True)
+    assert run_id == "first"
+    store.add(Record(**identity, run_id=run_id, source="projected", cell_id="p", peak_allocated_bytes=1100))
     attach_twin_errors(store)
     assert {r["cell_id"]: r for r in store.rows()}["p"]["peak_error_vs_measured"] == pytest.approx(0.10)
 

@@ -29,7 +29,10 @@ def fidelity(baseline: Scored, other: Scored) -> Fidelity:
         raise ValueError(f"fidelity needs the same scored positions: {tuple(baseline.log_probs.shape)} vs "
                          f"{tuple(other.log_probs.shape)}")
     agreement = (baseline.log_probs.argmax(-1) == other.log_probs.argmax(-1)).double().mean().item()
-    kl = torch.nn.functional.kl_div(other.log_probs.double(), baseline.log_probs.double(), log_target=True,
+    # Renormalised in float64: float32 log-probabilities sum to 1 only within ~1e-7, an error of the first
+    # order that would swamp (and, clamped, zero) the KL of a change as small as an int8 KV cache's (~1e-9).
+    kl = torch.nn.functional.kl_div(torch.log_softmax(other.log_probs.double(), dim=-1),
+                                    torch.log_softmax(baseline.log_probs.double(), dim=-1), log_target=True,
                                     reduction="batchmean").item()
     return Fidelity(agreement, max(kl, 0.0))  # rounding can leave -1e-17 for identical distributions
 

@@ -12,6 +12,7 @@ returns the same `Outcome` a measurement does (harness/outcome.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -151,16 +152,21 @@ def _serving(projection: Projection) -> ServingFigures | None:
                           streamed_bytes=trace.params_bytes - trace.gathered_bytes)
 
 
+def _mib(size: int, up: bool = True) -> str:
+    """`size` in whole MiB, rounded up (what is needed) or down (what there is), so that a stated
+    `needed + context > capacity` stays true in the rounded figures too."""
+    return f"{(math.ceil if up else math.floor)(size / MiB):,} MiB"
+
+
 def oom_reason(memory: MemoryProjection, gpu: str) -> str:
-    context = f"{memory.overhead / MiB:,.0f} MiB CUDA context > {memory.capacity / MiB:,.0f} MiB on {gpu}"
+    context = f"{_mib(memory.overhead)} CUDA context > {_mib(memory.capacity, up=False)} on {gpu}"
     if memory.peak_allocated + memory.overhead > memory.capacity:
-        return f"needs {memory.peak_allocated / MiB:,.0f} MiB allocated at its peak + {context}"
+        return f"needs {_mib(memory.peak_allocated)} allocated at its peak + {context}"
     if memory.allocator != "native":
-        return f"needs {memory.chosen_reserved / MiB:,.0f} MiB reserved under {memory.allocator} + {context}"
+        return f"needs {_mib(memory.chosen_reserved)} reserved under {memory.allocator} + {context}"
     # The live bytes would fit, but not in the segments the allocator can keep.
-    return (f"needs {memory.chosen_reserved / MiB:,.0f} MiB reserved + {context}, and freeing the cached "
-            f"blocks on a failed cudaMalloc does not make room for its {memory.peak_allocated / MiB:,.0f} MiB "
-            "allocated")
+    return (f"needs {_mib(memory.chosen_reserved)} reserved + {context}, and freeing the cached "
+            f"blocks on a failed cudaMalloc does not make room for its {_mib(memory.peak_allocated)} allocated")
 
 
 __all__ = ["MAX_BATCH_LIMIT", "LargestModel", "Projection", "batch_step", "estimate", "fits_at", "largest_model",
