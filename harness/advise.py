@@ -56,8 +56,9 @@ def gib(value: float, signed: bool = False) -> str:
 
 
 def fix_line(stack: str, target: dict, fix: dict, reference: float | None = None) -> str:
-    """`amp-bf16+checkpointing: -41.0 GiB, +28% step time, fits with 6.0 GiB left`."""
-    parts = [stack + ":"]
+    """`amp-bf16+checkpointing: -41.0 GiB, +28% step time, fits with 6.0 GiB left`; with the fix's `source`
+    where fixes of several sources are ranked together (`amp-bf16 (measured): ...`)."""
+    parts = [stack + (f" ({fix['source']})" if fix.get("source") else "") + ":"]
     if target.get("reserved") is not None and fix.get("reserved") is not None:
         parts.append(gib(fix["reserved"] - target["reserved"], signed=True) + ",")
     if target.get("step_ms") and fix.get("step_ms"):
@@ -128,7 +129,7 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
         unsupported = sum(f["status"] == "unsupported" for f in fixes)
         skipped = f" ({unsupported} unsupported on {profile.id})" if unsupported else ""
         short = gib(-target["left"]) if target["left"] is not None else "unknown"
-        headline = (f"{request.technique} does not fit on {profile.id}: short by {short}; "
+        headline = (f"projected: {request.technique} does not fit on {profile.id}: short by {short}; "
                     + (f"{len(lines)} of {len(stacks)} stacks tried make it fit{skipped}" if lines else
                        f"none of the {len(stacks)} stacks tried makes it fit{skipped}: a larger GPU or several "
                        "(headroom project --min-gpus) is needed"))
@@ -136,7 +137,7 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
     speed = f", {record.step_time_ms_p50:,.0f} ms per step" if record.step_time_ms_p50 else ""
     cost = f", ${record.usd_per_million_samples:,.2f} per million samples" if record.usd_per_million_samples else ""
     return Advice(profile.id, target, _when_it_fits(request, record, profile, profiles, project, capacity),
-                  f"{request.technique} fits on {profile.id} with {gib(target['left'])} left{speed}{cost}")
+                  f"projected: {request.technique} fits on {profile.id} with {gib(target['left'])} left{speed}{cost}")
 
 
 def candidate_stacks(mode: str, profile) -> list[str]:

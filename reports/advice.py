@@ -16,7 +16,7 @@ def _summary(row, capacity) -> dict:
     number = lambda name: None if pd.isna(pd.to_numeric(row.get(name), errors="coerce")) \
         else float(pd.to_numeric(row.get(name), errors="coerce"))  # noqa: E731
     return {"stack": str(row["technique"]), "reserved": number("peak_reserved_bytes"),
-            "step_ms": number("step_time_ms_p50"),
+            "step_ms": number("step_time_ms_p50"), "source": str(row["source"]),
             "left": row_memory_left(row, capacity)}
 
 

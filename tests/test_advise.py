@@ -61,7 +61,8 @@ def test_advise_names_the_stacks_that_make_a_cell_fit(small_l4, monkeypatch, cap
                  "--profiles", str(small_l4)]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    assert lines[0].startswith("baseline does not fit on small-l4: short by ") and "1 of 2 stacks" in lines[0]
+    assert lines[0].startswith("projected: baseline does not fit on small-l4: short by ")
+    assert "1 of 2 stacks" in lines[0]
     assert re.fullmatch(r"  checkpointing\+amp-bf16: -\d+\.\d GiB, [\d,]+ ms per step \(the fastest\), "
                         r"fits with \d+\.\d GiB left", lines[1]), lines[1]
     assert len(lines) == 2  # tf32 keeps fp32 activations: still short, not advised
@@ -72,7 +73,7 @@ def test_advise_for_a_cell_that_fits_offers_a_larger_batch(small_l4, capsys):
     assert main(["advise", "--workload", "gpt", "--size", "smoke", "--gpu", "small-l4", "--profiles",
                  str(small_l4)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("baseline fits on small-l4 with ") and "a larger batch fits: up to " in out
+    assert out.startswith("projected: baseline fits on small-l4 with ") and "a larger batch fits: up to " in out
 
 
 def test_advise_refuses_a_family_of_several_gpus(capsys):
@@ -85,7 +86,7 @@ def test_an_exact_id_wins_over_its_family(monkeypatch, capsys):
     # `h200` is the SXM's id and the family of the SXM and the NVL: advise answers for the SXM.
     monkeypatch.setattr(advise, "_when_it_fits", lambda *args: ["(not asked here)"])
     assert main(["advise", "--workload", "gpt", "--size", "smoke", "--gpu", "h200"]) == 0
-    assert capsys.readouterr().out.startswith("baseline fits on h200 with ")
+    assert capsys.readouterr().out.startswith("projected: baseline fits on h200 with ")
 
 
 def test_gpus_without_bf16_are_advised_fp16_stacks():
