@@ -173,8 +173,18 @@ def main() -> None:
           f"{TARGET_MEDIAN:.0%}), worst {overall['worst_abs']:.1%} (target <= {TARGET_WORST:.0%}): {verdict}")
     print("ranking:", *ranking_check(results), sep="\n  ")
     print("\nconstants fitted on all rows:", ", ".join(f"{k}={v:.3g}" for k, v in fitted.items()))
+    # A constant on its bound is set by the bound, not by the rows: say so, as the fit's figures rest on it.
+    for name, value, low, high in at_bounds(fitted):
+        print(f"  {name} = {value:.3g} sits on its {'lower' if value <= low * 1.001 else 'upper'} bound "
+              f"({low:g}-{high:g}): the rows push it further than the bound allows")
     if args.write:
         write(fitted, results, overall)
+
+
+def at_bounds(values: dict[str, float]) -> list[tuple[str, float, float, float]]:
+    """(name, value, low, high) of each fitted constant within 0.1% of one of its bounds."""
+    return [(name, values[name], low, high) for name, _, low, high in PARAMETERS
+            if name in values and (values[name] <= low * 1.001 or values[name] >= high * 0.999)]
 
 
 def write(fitted: dict[str, float], results, overall) -> None:

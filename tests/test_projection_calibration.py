@@ -51,3 +51,10 @@ def test_the_priors_are_the_hand_written_tables_not_the_last_fit():
     assert priors["issue_python_s"] == table["host"]["issue_python_s"]
     fitted = calibration.values_of(constants_for(load_profiles()["a100-sxm4-80gb"].per_device()))
     assert fitted != priors
+
+
+def test_constants_on_their_bounds_are_named():
+    values = {"unaligned_efficiency": 0.3, "conv_efficiency": 0.93, "attention_efficiency": 0.84,
+              "bandwidth_efficiency": 0.6}
+    assert [(name, low, high) for name, _, low, high in calibration.at_bounds(values)] == [
+        ("attention_efficiency", 0.1, 0.84), ("unaligned_efficiency", 0.3, 1.0)]

@@ -9,7 +9,7 @@ import torch
 
 from harness.profiles import load_profiles
 from suites.step import Step
-from suites.techniques import TECHNIQUES, Phase, Run, parse_stack, technique_names
+from suites.techniques import TECHNIQUES, Phase, Run, Stack, parse_stack, technique_names
 from suites.workloads import WORKLOADS
 
 PROFILES = load_profiles()
@@ -160,3 +160,22 @@ def test_fp16_training_uses_a_grad_scaler():
     loss = step(workload.batch(spec, 4, torch.Generator().manual_seed(0)))
     assert step.scaler is not None and step.scaler.get_scale() > 1
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("stack, exchanged", [("checkpointing", 4), ("checkpointing+amp-bf16", 2),
+                                               ("checkpointing+amp-fp16", 2)])
+def test_techniques_applied_before_autocast_know_the_bytes_of_the_outputs_they_exchange(stack, exchanged):
+    # Tensor and expert parallelism (applied before the step's autocast) count the layer outputs they
+    # all-reduce or send back in autocast's dtype: amp declares it before any technique applies.
+    from dataclasses import replace
+
+    from suites.techniques.base import output_bytes
+
+    workload = WORKLOADS["gpt"]
+    spec = workload.size("smoke")
+    seen = []
+    techniques = parse_stack(stack).techniques
+    spy = replace(techniques[0], apply=lambda run: seen.append(output_bytes(run)))  # the CHECKPOINT phase
+    run = Run(workload=workload, size=spec, mode="train", profile=CPU, model=workload.build(spec), batch_size=2)
+    Stack((spy, *techniques[1:])).apply(run)
+    assert seen == [exchanged] and output_bytes(run) == exchanged

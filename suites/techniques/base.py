@@ -35,6 +35,13 @@ class Phase(enum.IntEnum):
     RUNTIME = 7        # allocator and environment settings, fixed before the device starts
 
 
+def output_bytes(run: Run) -> int:
+    """Bytes per element of what a layer outputs: autocast's dtype where the run has one, else fp32. The
+    residual stream and the norms' outputs stay fp32 under autocast (CUDA's autocast lists run layer_norm
+    in fp32), so collectives of those count 4 bytes whatever this says."""
+    return torch.finfo(run.autocast_dtype).bits // 8 if run.autocast_dtype is not None else 4
+
+
 class Unsupported(Exception):
     """Raised by `apply` when the run cannot take the technique; becomes an `unsupported` row."""
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from suites.techniques.base import Phase, Run, Technique, Unsupported
+from suites.techniques.base import Phase, Run, Technique, Unsupported, output_bytes
 from suites.techniques.parallel import distributed, rank_count, rank_device
 from suites.workloads.moe import ExpertExchange
 
@@ -96,7 +96,7 @@ def _apply(run: Run, ranks: int | None) -> None:
     passes = run.pipeline.micro_batches if run.pipeline is not None else run.micro_batches
     tokens = run.batch_size // world // (passes if run.pipeline is not None else 1) * (run.size.seq_len or 1)
     width = run.size.config.get("n_embd", 0)
-    buffer = experts * layers[0].capacity(tokens) * width * 4  # fp32 bytes of one capacity buffer
+    buffer = experts * layers[0].capacity(tokens) * width  # elements of one capacity buffer
     replicated = sum(p.numel() * p.element_size() for p in run.model.parameters()
                      if id(p) not in owned and p.requires_grad)  # what the hooks all-reduce
     share = (world - 1) / world
@@ -105,8 +105,11 @@ def _apply(run: Run, ranks: int | None) -> None:
     # as the sharding technique it needs would shard it; expert parallelism keeps it whole (fsdp takes this off).
     whole_tied = whole_tied_bytes(run, world)
     # The hooks all-reduce the replicated gradients in every backward: once per accumulated pass.
-    run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + int(4 * len(layers) * share * buffer * exchanges
-                                                                   + 2 * share * replicated * passes) + whole_tied
+    # Each layer sends its tokens out (the norm's fp32 output) and the experts' outputs back (autocast's dtype),
+    # and the backward sends both gradients the other way.
+    exchanged = 2 * len(layers) * share * buffer * (4 + output_bytes(run)) * exchanges
+    run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + int(exchanged + 2 * share * replicated * passes) \
+        + whole_tied
     run.notes.append(f"expert parallel over {world} ranks" + (" of each pipeline stage" if group is not None else "")
                      + f": {experts // world} of {experts} experts per rank in {len(layers)} MoE layers, tokens "
                      "exchanged by all-to-all; the rest replicated, its gradients all-reduced (each backward, "

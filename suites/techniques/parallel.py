@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from suites.techniques.base import Phase, Run, Technique, Unsupported, choice_option
+from suites.techniques.base import Phase, Run, Technique, Unsupported, choice_option, output_bytes
 
 
 def distributed():
@@ -287,13 +287,14 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     sharded = len(modules)
     run.optimizer_factory = _grouped(run.optimizer_factory)
     run.placed = True
-    activations = run.size.seq_len * run.size.config.get("n_embd", 0) * 4  # fp32 bytes per sample
+    activations = run.size.seq_len * run.size.config.get("n_embd", 0)  # elements per sample
     groups = world // ranks  # each group runs its data-parallel slice of the batch
-    # Each row-parallel output is all-reduced forward and its input's gradient backward: two per module. With
-    # sequence parallelism each all-reduce is a reduce-scatter and an all-gather (the same bytes), and the
-    # sequence's cut adds two gathers: the final norm's output forward, the entry's gradient backward.
+    # Each module all-reduces its row-parallel output forward (in autocast's dtype) and its input's gradient
+    # backward (fp32: the norm's output, cast inside the layer). With sequence parallelism each all-reduce is
+    # a reduce-scatter and an all-gather (the same bytes), and the sequence's cut adds two fp32 gathers: the
+    # final norm's output forward, the entry's gradient backward.
     unit = (ranks - 1) / ranks * activations * run.batch_size // groups
-    run.comm_bytes_per_step = int(2 * unit * 2 * sharded + (2 * unit if sequence else 0))
+    run.comm_bytes_per_step = int(2 * unit * (output_bytes(run) + 4) * sharded + (2 * unit * 4 if sequence else 0))
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
                      f"projections row-parallel and all-reduced; embeddings and norms replicated"

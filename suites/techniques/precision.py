@@ -115,12 +115,16 @@ def _apply_tf32(run: Run) -> None:
 AMP_BF16 = Technique(
     id="amp-bf16", phase=Phase.STEP, changes_numerics=True, guide="T1",
     summary="bf16 autocast for matmuls/convs, fp32 master weights, no loss scaling",
-    check=_check_bf16, apply=_apply_bf16, exclusive="precision")
+    check=_check_bf16, apply=_apply_bf16, exclusive="precision",
+    # Declared before the stack applies: parallel techniques (applied earlier) count the bytes of the layer
+    # outputs they exchange in autocast's dtype.
+    declare=lambda run: setattr(run, "autocast_dtype", torch.bfloat16))
 
 AMP_FP16 = Technique(
     id="amp-fp16", phase=Phase.STEP, changes_numerics=True, guide="T1",
     summary="fp16 autocast with dynamic loss scaling (GradScaler)",
-    check=_check_fp16, apply=_apply_fp16, exclusive="precision")
+    check=_check_fp16, apply=_apply_fp16, exclusive="precision",
+    declare=lambda run: setattr(run, "autocast_dtype", torch.float16))
 
 # STRUCTURE, not STEP: the Linear swap must precede tensor parallelism, checkpointing and FSDP, as in
 # torchtitan, where float8 conversion is a model converter applied before parallelize.
