@@ -15,12 +15,22 @@ DDP_BUCKET_BYTES = 25 * 2**20
 SHARDED = ("fsdp", "fsdp-zero2", "cpu-offload")
 
 
+# A node's GPUs where a profile does not say: an HGX / DGX baseboard's eight.
+DEFAULT_NODE_GPUS = 8
+
+
 def link_bytes_s(profile, ranks: int) -> tuple[float | None, str]:
     """One direction of the slowest link a ring over `ranks` consecutive GPUs crosses, and which link that
     is: inside a node NVLink (its datasheet figure is both directions) or, without one, the host link;
-    between nodes the node's network shared by its GPUs."""
+    between nodes the node's network shared by its GPUs.
+
+    At the datasheet rate, an upper bound: nccl-tests' all-reduce bus bandwidth reaches about 70-92% of
+    NVLink's one direction from A100 to B200 (user reports: NVIDIA/nccl-tests#149, #312, NVIDIA/nccl#1807).
+    No derating is applied: the sharded runs overlap most communication with compute, and the network of
+    the validation's 64-GPU A100 runs is not published; a 0.8 derating of every link moved those two rows of
+    benchmarks/parallel_validation.py from -7.5% / -16.8% to -16.2% / -30.1% (2026-12-04)."""
     links = profile.interconnect or {}
-    node = links.get("node_gpus") or 8
+    node = links.get("node_gpus") or DEFAULT_NODE_GPUS
     if ranks > node:
         network = links.get("node_network_gb_s")
         if not network:

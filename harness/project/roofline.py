@@ -154,6 +154,8 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     # lowering, NCHW layouts, small channel counts): NVIDIA's published ResNet-50 runs use about 15% of
     # an A100's TF32 peak, against over half of a V100's fp32 peak on its CUDA cores. So the fitted conv
     # efficiency applies on tensor cores; a CUDA-core convolution runs at the achievable rate like a GEMM.
+    # (Those 15% are of the whole step: its layout transposes, memory-bound ops and host time take most of
+    # the gap, so the fitted efficiency of the convolutions themselves is far higher.)
     conv_efficiency = np.where(ops.simt, 1.0, gpu.conv_efficiency)
     # Fused attention on tensor cores runs PyTorch's FlashAttention-2 kernel, which uses a smaller share of
     # a newer generation's peak than of Ampere's (speed_constants.toml); fp32 attention on CUDA cores does not.
