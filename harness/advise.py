@@ -56,8 +56,8 @@ def gib(value: float, signed: bool = False) -> str:
 
 
 def fix_line(stack: str, target: dict, fix: dict, reference: float | None = None) -> str:
-    """`amp-bf16+checkpointing: -41.0 GiB, +28% step time, fits with 6.0 GiB left`; with the fix's `source`
-    where fixes of several sources are ranked together (`amp-bf16 (measured): ...`)."""
+    """`amp-bf16+checkpointing (projected): -41.0 GiB, +28% step time, fits with 6.0 GiB left`; the fix's
+    `source` (measured or projected) is named wherever the fix carries one."""
     parts = [stack + (f" ({fix['source']})" if fix.get("source") else "") + ":"]
     if target.get("reserved") is not None and fix.get("reserved") is not None:
         parts.append(gib(fix["reserved"] - target["reserved"], signed=True) + ",")
