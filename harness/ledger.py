@@ -36,8 +36,6 @@ COLUMNS = ["ledger_version", "pair_id", "workload", "size", "mode", "technique",
 MIN_PAIRS = 3
 # With no pair at all, the interval spans this factor either side of the projection.
 NO_PAIRS_FACTOR = 3.0
-# Half-width of an interval in standard deviations of log(measured / projected) (~95% for a normal).
-SPREAD_SIGMAS = 2.0
 
 
 def pair_id(row: dict) -> str:
@@ -146,7 +144,8 @@ CELL = ["workload", "size", "mode", "technique", "gpu", "batch_size", "seq_len"]
 
 
 def t_975(degrees: int) -> float:
-    """The table's quantile for `degrees`, or the next smaller tabulated one's (wider); 1.96 beyond."""
+    """The table's quantile for `degrees`, or the largest tabulated one's below it (wider, so the interval
+    errs wide); past the table's last entry, that entry's."""
     known = [d for d in T_975 if d <= degrees]
     return T_975[max(known)] if known else T_975[1]
 

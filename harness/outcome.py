@@ -144,7 +144,7 @@ def to_record(cell: Cell | ResolvedCell, outcome: Outcome, run_id: str) -> Recor
             values.update(_speed_columns(resolved, outcome, flops_per_sample))
         if outcome.serving is not None:
             kv_bytes = outcome.memory.kv_cache if outcome.memory is not None else None
-            values.update(_serving_columns(resolved, outcome.serving, kv_bytes or 0))
+            values.update(_serving_columns(resolved, outcome.serving, kv_bytes))
     fits = outcome.fits
     if (fits is None and named.source == "measured" and outcome.status in ("ok", "oom") and resolved
             and resolved.profile.vendor != "cpu"):
@@ -213,23 +213,24 @@ def _nvml_columns(nvml: NvmlFigures, samples: int | None, usd_per_kwh: float | N
                 if per_sample is not None and usd_per_kwh else None)
 
 
-def _serving_columns(resolved: ResolvedCell, serving: ServingFigures, kv_bytes: int) -> dict:
+def _serving_columns(resolved: ResolvedCell, serving: ServingFigures, kv_bytes: int | None) -> dict:
     """A generation's figures, and the bandwidth its decode uses: the bytes a decode step reads (the
     streamed weights once for the batch, and every sequence's cache up to its mean position) over the
-    mean decode step time, against the profile's datasheet bandwidth."""
+    mean decode step time, against the profile's datasheet bandwidth. An unknown cache size leaves both
+    unknown (counting it as 0 would understate them)."""
     batch, prompt = resolved.batch_size, resolved.spec.seq_len
     context = prompt + serving.gen_len
     # Decode steps feed positions prompt .. context - 2 and each reads the cache up to its own position.
     mean_tokens = prompt + serving.gen_len / 2
-    bytes_per_step = serving.streamed_bytes + kv_bytes * mean_tokens / context
+    bytes_per_step = serving.streamed_bytes + kv_bytes * mean_tokens / context if kv_bytes is not None else None
     bandwidth = resolved.profile.per_device().memory_bandwidth_bytes_s
     mean_s = serving.decode_ms_mean / 1e3 if serving.decode_ms_mean else None
     return dict(
         ttft_ms=serving.ttft_ms, decode_ms_per_token_p50=serving.decode_ms_p50,
         decode_ms_per_token_p90=serving.decode_ms_p90, decode_tokens_s=batch / mean_s if mean_s else None,
         prefill_tokens_s=batch * prompt / (serving.ttft_ms / 1e3) if serving.ttft_ms else None,
-        decode_bytes_per_step=round(bytes_per_step),
-        decode_bandwidth_util=bytes_per_step / mean_s / bandwidth if mean_s and bandwidth else None)
+        decode_bytes_per_step=round(bytes_per_step) if bytes_per_step is not None else None,
+        decode_bandwidth_util=bytes_per_step / mean_s / bandwidth if bytes_per_step and mean_s and bandwidth else None)
 
 
 def flops_per_sample_of(resolved: ResolvedCell, notes: list[str]) -> float | None:

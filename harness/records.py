@@ -118,7 +118,9 @@ class Record:
     nvml_process_bytes: int | None = None  # this process's GPU memory, as nvidia-smi lists it (context included)
     nvml_device_used_bytes: int | None = None  # the whole device's used memory (other processes too)
     power_w_mean: float | None = None
-    energy_j_per_sample: float | None = None  # energy counter difference (else integrated power) / samples
+    # The energy counter's difference (else integrated power) / the cell's samples; a rank's row holds its
+    # GPU's share, which the cell's row sums.
+    energy_j_per_sample: float | None = None
     sm_clock_mhz_mean: float | None = None
     temperature_c_max: float | None = None
     energy_usd_per_million_samples: float | None = None  # energy_j_per_sample at `headroom run --usd-per-kwh`

@@ -312,8 +312,8 @@ def _run_cell(cell: Cell, profiles: dict[str, GpuProfile], options: RunnerOption
         return to_record(resolved, outcome, options.run_id)
     with _interrupts_deferred():
         too_big = _preflight(resolved, options)
-    if too_big:
-        return to_record(resolved, failure("oom", too_big), options.run_id)
+    if too_big:  # a projection's verdict, not a measurement: the row must not read as a measured OOM
+        return to_record(resolved, failure("unsupported", too_big), options.run_id)
     return run_isolated(resolved, options)
 
 
@@ -325,8 +325,9 @@ def _preflight(cell: ResolvedCell, options: RunnerOptions) -> str:
     outcome = project_outcome(cell)  # the trace is cached: the cell's projected twin reuses it
     peak = outcome.memory.peak_allocated if outcome.memory else None
     if peak and peak > options.cell_memory_bytes:
-        return (f"pre-flight: projected peak {peak / 2**30:,.1f} GiB > --cell-memory "
-                f"{options.cell_memory_bytes / 2**30:,.1f} GiB (the cell was not started)")
+        return (f"not measured: projected peak {peak / 2**30:,.1f} GiB > --cell-memory "
+                f"{options.cell_memory_bytes / 2**30:,.1f} GiB, so the cell was not started (raise --cell-memory "
+                f"to measure it)")
     return ""
 
 

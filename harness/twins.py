@@ -15,6 +15,9 @@ KEY = ("workload", "size", "mode", "technique", "gpu", "batch_size")
 # the cell it projects; other runs of it, e.g. the GPU check's under other allocator settings, are
 # other pairs).
 TWIN_KEY = ("run_id", *KEY)
+# Shapes a resumed run can change within one run id (`--seq-len`, `--gen-len`, `--world-size`): a pair
+# must agree on them too, or a 64-token prompt's projection would be judged against a 512-token measurement.
+SHAPE_KEY = ("seq_len", "gen_len", "world_size")
 # The projected reserved figure for each allocator setting a measured CUDA row can report.
 RESERVED_COLUMN = {"native": "peak_reserved_bytes", "expandable_segments": "peak_reserved_expandable_bytes",
                    "cudaMallocAsync": "peak_reserved_async_bytes"}
@@ -65,15 +68,23 @@ def twin_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
     a twin, used by the runner (to attach the errors) and by `twin_table`."""
     ok = [row for row in rows if row["status"] == "ok"]
     # A parallel cell's twin is its cell row (the maximum over ranks), never one rank's row.
-    measured = {tuple(row[k] for k in TWIN_KEY): row for row in ok
-                if row["source"] == "measured" and pd.isna(row.get("rank"))}
+    measured = {_twin_key(row): row for row in ok if row["source"] == "measured" and pd.isna(row.get("rank"))}
     pairs = []
     for row in ok:
         if row["source"] == "projected":
-            twin = measured.get(tuple(row[k] for k in TWIN_KEY))
+            twin = measured.get(_twin_key(row))
             if twin is not None:
                 pairs.append((row, twin))
     return pairs
+
+
+def _twin_key(row: dict) -> tuple:
+    """What a twin must share, with the shapes as plain numbers: a CSV gives 128.0 or NaN where a run gives
+    128 or None, and NaN never equals NaN."""
+    def shape(value):
+        return None if value is None or pd.isna(value) else int(value)
+
+    return (*(row[k] for k in TWIN_KEY), *(shape(row.get(k)) for k in SHAPE_KEY))
 
 
 def twin_table(frame: pd.DataFrame) -> pd.DataFrame:

@@ -241,7 +241,7 @@ def test_a_cell_over_its_memory_limit_is_an_oom_row_not_the_systems_oom_killer(m
     assert record.status == "oom" and "exceeded --cell-memory 1.0 GiB" in record.reason
 
 
-def test_a_cell_projected_above_its_memory_limit_is_not_started():
+def test_a_cell_projected_above_its_memory_limit_is_not_started_and_not_called_a_measured_oom():
     from harness.cell import Cell
     from harness.profiles import load_profiles
     from harness.runner import RunnerOptions, run_cell
@@ -249,8 +249,8 @@ def test_a_cell_projected_above_its_memory_limit_is_not_started():
     cell = Cell("gpt", "gpt2-124m", "train", "baseline", "cpu", 8, "measured")
     record = run_cell(cell, load_profiles(), RunnerOptions(run_id="t", cell_memory_bytes=1 << 28,
                                                           cell_entry="tests.no_such_module"))[0]
-    assert record.status == "oom" and record.reason.startswith("pre-flight: projected peak")
-    assert "was not started" in record.reason
+    assert record.status == "unsupported" and record.reason.startswith("not measured: projected peak")
+    assert "was not started" in record.reason and record.fits is None
 
 
 def test_a_row_from_a_checkout_updated_mid_run_becomes_an_error_row(monkeypatch):

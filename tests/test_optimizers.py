@@ -91,3 +91,17 @@ def test_low_bit_optimizers_are_projected_with_their_compiled_step():
     moved = sum(s.bytes * n for s, n in shapes.items())
     trace = eight.trace
     assert moved == pytest.approx(2 * trace.params_bytes + trace.grads_bytes + 2 * trace.optimizer_bytes, rel=0.01)
+
+
+def test_a_wrapped_optimizers_state_is_found_where_zero_keeps_it():
+    from types import SimpleNamespace
+
+    from harness.measure.local import _optimizer_state_started
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    inner = torch.optim.AdamW([weight])
+    wrapper = SimpleNamespace(state={}, optim=inner)  # ZeroRedundancyOptimizer's own `state` stays empty
+    assert not _optimizer_state_started(wrapper)
+    weight.grad = torch.ones(4)
+    inner.step()
+    assert _optimizer_state_started(wrapper) and _optimizer_state_started(None)

@@ -179,6 +179,36 @@ def test_folding_takes_the_worst_rank_and_names_a_rank_that_died():
     assert died[2].status == "error" and died[1].status == "ok"
 
 
+def test_the_cell_fits_only_where_every_rank_fits_and_its_energy_is_the_ranks_sum():
+    out_of_memory = dataclasses.replace(_row("oom", None, None), fits=False)
+    fitting = dataclasses.replace(_row("ok", 10, 2.0), fits=True, energy_j_per_sample=1.5,
+                                  energy_usd_per_million_samples=0.05)
+    cell = fold([fitting, out_of_memory], missing_row=None)[0]
+    assert cell.status == "oom" and cell.fits is False
+    assert fold([fitting, dataclasses.replace(fitting, energy_j_per_sample=0.5)], missing_row=None)[0].fits is True
+    # Each rank's GPU spends its share per sample of the cell: the shares add up, the cost with them.
+    both = fold([fitting, dataclasses.replace(fitting, energy_j_per_sample=0.5, energy_usd_per_million_samples=0.02)],
+                missing_row=None)[0]
+    assert both.energy_j_per_sample == 2.0 and both.energy_usd_per_million_samples == pytest.approx(0.07)
+    # A rank without the figure leaves the sum unknown rather than short.
+    assert fold([fitting, dataclasses.replace(fitting, energy_j_per_sample=None)],
+                missing_row=None)[0].energy_j_per_sample is None
+    assert fold([fitting, dataclasses.replace(fitting, fits=None)], missing_row=None)[0].fits is None
+
+
+def test_a_measured_row_without_a_process_group_has_no_communication_figure():
+    from types import SimpleNamespace
+
+    from harness.measure.local import _communication
+
+    def never_run():
+        raise AssertionError("nothing to count without a process group")
+
+    sent, notes = _communication(SimpleNamespace(comm_bytes_per_step=4096, compiled=False), never_run)
+    assert sent is None and "not counted" in notes[0] and "4,096" in notes[0]  # the formula is only a note
+    assert _communication(SimpleNamespace(comm_bytes_per_step=None, compiled=False), never_run) == (None, [])
+
+
 def test_shards_split_the_plan_into_disjoint_slices_that_cover_it():
     local = detect_local(PROFILES)
     plan = plan_run(local, None, workloads=["gpt", "bert"], profiles=PROFILES, stacks=["baseline", "amp-bf16"])

@@ -176,6 +176,28 @@ def test_twin_table_pairs_rows_within_their_run(tmp_path):
     assert errors == pytest.approx({"native": 0.05, "expandable_segments": 0.05, "cudaMallocAsync": 1000 / 1050 - 1})
 
 
+def test_twins_pair_only_rows_of_the_same_prompt_generation_and_world(tmp_path):
+    # A resumed run keeps its run id, and `--seq-len`/`--gen-len` may change between its halves.
+    from harness.records import Record, read_results
+    from harness.twins import twin_pairs
+
+    identity = dict(workload="gpt", size="gpt2-124m", mode="infer", technique="baseline", gpu="h200", batch_size=1,
+                    status="ok", run_id="r", gen_len=16)
+    store = ResultsStore(tmp_path)
+    store.add(Record(**identity, seq_len=512, source="measured", cell_id="m512", peak_allocated_bytes=900))
+    store.add(Record(**identity, seq_len=64, source="projected", cell_id="p64", peak_allocated_bytes=100))
+    store.add(Record(**identity, seq_len=512, source="projected", cell_id="p512", peak_allocated_bytes=1000))
+    store.write_frame()
+    rows = read_results(tmp_path).to_dict("records")  # through the CSV: 512.0 beside 512, NaN for None
+    assert [(p["cell_id"], m["cell_id"]) for p, m in twin_pairs(rows)] == [("p512", "m512")]
+    resnet = dict(identity, workload="resnet50", size="resnet50", gen_len=None)
+    other = ResultsStore(tmp_path / "resnet")
+    other.add(Record(**resnet, source="measured", cell_id="m", peak_allocated_bytes=900))
+    other.add(Record(**resnet, source="projected", cell_id="p", peak_allocated_bytes=1000))
+    other.write_frame()
+    assert len(twin_pairs(read_results(tmp_path / "resnet").to_dict("records"))) == 1  # no shape: NaN pairs
+
+
 @pytest.mark.parametrize("message, status", [
     ("CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
     ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "oom"),

@@ -3,8 +3,10 @@ runner folds their rows into one row per rank plus the cell's row.
 
 The cell's row takes the maximum over ranks of every memory figure and of the step time (the rank that
 runs out first decides OOM, the slowest decides the step; peaks are never summed), and the lowest
-throughput. A rank that wrote no row (it died, or was killed with the others at a timeout) becomes a row
-naming it, and the cell's row says which rank failed.
+throughput; it fits only where every rank fits. Energy is the one figure that adds up: each rank's row
+holds its GPU's joules per sample of the cell's global batch, and the cell's row sums them. A rank that
+wrote no row (it died, or was killed with the others at a timeout) becomes a row naming it, and the
+cell's row says which rank failed.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ RANK_ROW_SUFFIX = "__rank"
 MAX_COLUMNS = ("peak_allocated_bytes", "peak_reserved_bytes", "process_peak_rss_bytes", "params_bytes", "grads_bytes",
                "optimizer_bytes", "activations_bytes", "temporaries_bytes", "step_time_ms_p50", "step_time_ms_p90",
                "step_time_ms_mean", "comm_bytes_per_step", "nvml_process_bytes")
-MAX_COLUMNS += ("usd_per_million_samples", "usd_per_million_tokens", "energy_j_per_sample", "alloc_retries",
+MAX_COLUMNS += ("usd_per_million_samples", "usd_per_million_tokens", "alloc_retries",
                 "step_time_cv")  # the slowest rank's cost goes with the lowest throughput
 MIN_COLUMNS = ("throughput_samples_s", "tokens_per_s", "mfu")
+# Every GPU of the cell draws power for the same samples: their energies (and its cost) add up.
+SUM_COLUMNS = ("energy_j_per_sample", "energy_usd_per_million_samples")
 # The worst rank's status is the cell's. A rank out of memory decides first: its peers then fail in a
 # collective (a closed connection, or a hang until the timeout), which is its consequence, not the cause.
 STATUS_ORDER = ("oom", "error", "timeout", "unsupported", "ok")
@@ -109,8 +113,20 @@ def fold(rank_rows: list[Record | None], missing_row) -> list[Record]:
     for column in MIN_COLUMNS:
         figures = [getattr(r, column) for r in rows if getattr(r, column) is not None]
         values[column] = min(figures) if figures else None
+    for column in SUM_COLUMNS:
+        figures = [getattr(r, column) for r in rows if getattr(r, column) is not None]
+        # A rank without the figure (no NVML there, or it failed) would make a sum look complete: none then.
+        values[column] = sum(figures) if figures and len(figures) == len(rows) else None
     values["noisy"] = any(r.noisy for r in rows) if any(r.noisy is not None for r in rows) else None
+    values["fits"] = _all_fit([r.fits for r in rows])
     return [dataclasses.replace(cell, **values), *rows]
+
+
+def _all_fit(fits: list[bool | None]) -> bool | None:
+    """The cell fits only where every rank does: False if any rank does not, None if any is unjudged."""
+    if any(fit is False for fit in fits):
+        return False
+    return None if any(fit is None for fit in fits) else True
 
 
 def rank_slice(batch: dict, parts: int, index: int | None = None) -> dict:

@@ -122,9 +122,15 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         # fp16 loss scaling starts at 2**16 and skips the optimizer step while gradients overflow; warm
         # up until a step was really taken, or the optimizer state (and its memory) would be missing.
         for _ in range(MAX_SCALER_WARMUP):
-            if step.optimizer is None or getattr(step.optimizer, "state", True):  # torchao's offload has none
+            if _optimizer_state_started(step.optimizer):
                 break
             step(batch)
+        else:
+            if step.scaler is not None and not _optimizer_state_started(step.optimizer):
+                return failure("error", f"fp16 loss scaling skipped every optimizer step of {MAX_SCALER_WARMUP} "
+                               "warm-up steps (gradients overflow at every scale): the optimizer state, and its "
+                               "memory, never appeared; try amp-bf16, which needs no loss scaling",
+                               device_name=profile.name)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the warm-up's kernels are done before its time is read
         warmup_s = time.perf_counter() - warm_up_started
@@ -172,23 +178,37 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
         driver_version=nvml_info()["driver_version"] if device.type == "cuda" else None,
         wall_time_s=time.perf_counter() - started, notes=notes, serving=serving,
         nvml=sampler.figures() if source is not None else None,
-        samples_timed=len(timing.step_s) * cell.batch_size // run.data_parallel, usd_per_kwh=settings.usd_per_kwh,
+        # The cell's global batch, on every rank: a rank's energy per sample is then its GPU's share, and the
+        # shares of the cell's GPUs add up (distributed.fold), whatever the split (data, tensor, pipeline).
+        samples_timed=len(timing.step_s) * cell.batch_size, usd_per_kwh=settings.usd_per_kwh,
         comm_bytes_per_step=comm)
+
+
+def _optimizer_state_started(optimizer) -> bool:
+    """Whether the optimizer has taken a step (its state exists). ZeroRedundancyOptimizer keeps the state in
+    the optimizer it wraps (`.optim`); torchao's offload optimizer has no `state` at all (taken as started)."""
+    if optimizer is None:
+        return True
+    inner = getattr(optimizer, "optim", None)
+    return bool(getattr(inner if isinstance(inner, torch.optim.Optimizer) else optimizer, "state", True))
 
 
 def _communication(run: Run, one_step) -> tuple[int | None, list[str]]:
     """Bytes this rank sends per step, counted over one more step after the timed ones (the counting
-    dispatch mode slows every op): the row's figure, with the technique's ring formula beside it. A compiled
-    step's collectives run inside its graph, out of the mode's sight: the formula stands there."""
+    dispatch mode slows every op): the row's figure, with the technique's ring formula beside it in a note.
+    Where nothing can be counted (no process group, or a compiled step whose collectives run inside its
+    graph, out of the mode's sight) the measured row has no figure: the formula is not a measurement."""
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized() or run.comm_bytes_per_step is None:
-        return run.comm_bytes_per_step, []
-    if run.compiled:
-        return run.comm_bytes_per_step, ["communication: the techniques' ring formula (a compiled step's "
-                                         "collectives are not counted)"]
-    sent, by_op = bytes_sent(one_step)
     formula = run.comm_bytes_per_step
+    if formula is None:
+        return None, []
+    if not dist.is_available() or not dist.is_initialized():
+        return None, [f"communication not counted (no process group); the techniques' ring formula gives {formula:,}"]
+    if run.compiled:
+        return None, [f"communication not counted (a compiled step's collectives run inside its graph); "
+                      f"the techniques' ring formula gives {formula:,}"]
+    sent, by_op = bytes_sent(one_step)
     split = ", ".join(f"{name} {value:,}" for name, value in sorted(by_op.items(), key=lambda item: -item[1]))
     return sent, [f"communication counted over one step: {sent:,} bytes sent by this rank ({split or 'none'}); "
                   f"the techniques' ring formula gives {formula:,}"
