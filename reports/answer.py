@@ -127,15 +127,25 @@ def answers(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
             "value": _pick(fitting, "usd_per_million_samples", True) if len(fitting) else None,
         }
         per = {"cheapest": None, "fastest": "speed", "value": "cost"}
-        why = "nothing tried fits" if not len(fitting) else "no GPU it fits on has a price"
+        # Where nothing fits, the next step: what else one GPU can do, else how many GPUs it takes.
+        why = (f"nothing tried fits one GPU: headroom advise --workload {workload} --size {size} --mode {mode} "
+               f"--gpu GPU tries more stacks; headroom project ... --min-gpus counts the GPUs it takes"
+               if not len(fitting) else "no GPU it fits on has a price")
         tried = group[group["gpu"].isin(capacities)]
         result.append({
             "workload": str(workload), "size": str(size), "mode": str(mode),
             "picks": {name: describe(row, language, _ties(fitting, row, per[name]) if per[name] else 0)
                       if row is not None else None for name, row in picks.items()},
             "why": why, "fitting": len(fitting), "tried": len(tried),
+            "params": pd.to_numeric(group["param_count"], errors="coerce").max() if "param_count" in group else None,
         })
-    return result
+    # Smallest model first within each workload (as the fit matrix orders them), workloads as they came.
+    order = {name: index for index, name in enumerate(dict.fromkeys(a["workload"] for a in result))}
+    return sorted(result, key=lambda a: (order[a["workload"]], _or_inf(a["params"]), a["size"], a["mode"]))
+
+
+def _or_inf(value) -> float:
+    return float("inf") if fmt.missing(value) else float(value)
 
 
 def cost_charts(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
@@ -169,7 +179,7 @@ def cost_charts(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
 
 
 def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
-    """Per served size (harness/serve_matrix.py: compiled decode at its first context): the best value
+    """Per served size (harness/serve_matrix.py: its decode, compiled or eager, at its first context): the best value
     (fewest USD per million generated tokens at the largest batch that fits), the fastest single-stream
     decode, and the cheapest GPU-hour that holds the model, each with its weights' precision. The
     matrix's costs are taken again at `prices` (its rows say which hourly price they were costed at)."""
@@ -186,6 +196,9 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
     rows["hourly"] = new
     rows["price"] = rows["gpu"].map(lambda g: prices[g].label if g in prices else "")
     context = batch.removeprefix("max_batch_") if batch else ""
+    # `headroom serve-matrix` compiles the decode unless told --eager: the heading says which was costed.
+    techniques = matrix["technique"].dropna() if "technique" in matrix else []
+    decode = " and ".join(sorted({"compiled" if "compile" in str(t).split("+") else "eager" for t in techniques}))
     result = []
     for size in dict.fromkeys(matrix["size"]):
         fitting = rows[rows["size"] == size]
@@ -201,7 +214,7 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
         fastest = _pick(fitting.assign(throughput_samples_s=0.0), "decode_tokens_s_b1", False) \
             if len(fitting) else None
         cheapest = _pick(fitting.assign(throughput_samples_s=fitting["decode_tokens_s_max"]), "hourly", True)
-        result.append({"size": str(size), "context": context, "picks": {
+        result.append({"size": str(size), "context": context, "decode": decode, "picks": {
             "cheapest": entry(cheapest, f"largest batch {int(cheapest[batch])}" if cheapest is not None else ""),
             "fastest": entry(fastest, f"{fmt.number(fastest['decode_tokens_s_b1'], 0)} tokens/s for one stream"
                              if fastest is not None else ""),

@@ -46,6 +46,7 @@ ACCURACY_COLUMNS = [("peak_error_vs_measured", "peak allocated (trace)"),
                     ("step_time_error_vs_measured", "step time (roofline)"),
                     ("comm_error_vs_measured", "bytes sent per rank (communication model)")]
 ENV_COLUMNS = ["device_name", "torch_version", "cuda_version", "driver_version", "git_sha", "hostname"]
+PROJECTED_ENV_COLUMNS = ["hostname", "torch_version", "git_sha", "run_id"]
 
 
 def merge(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -139,13 +140,14 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
     from reports.accuracy import accuracy_section
     from reports.answer import serving_answers
     from reports.fragmentation import fragmentation_section
-    from reports.serving import generation_rows, matrix_section
+    from reports.serving import generation_rows, matrix_section, reprice_matrix
     from reports.timelines import timeline_charts
 
     profiles = load_profiles() if profiles is None else profiles
     prices = price_table(profiles) if prices is None else prices
     frame = _ranges(cost_rows(frame, prices) if len(frame) else frame.assign(price_label=None))
     quality = accuracy_section(accuracy)
+    matrix = reprice_matrix(matrix, prices) if matrix is not None and len(matrix) else matrix
     serving = matrix_section(matrix, judge_matrix(matrix)) if matrix is not None else None
     probe = fragmentation_section(fragmentation)
     claims_from = {"c1": serving["c1"] if serving else None, "c4": probe["c4"] if probe else None,
@@ -160,8 +162,14 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
                  else fmt.text(row["notes"])}
                 for _, row in group.iterrows()]
         workloads.append({"name": str(name), "headers": [h for _, h, _ in TABLE_COLUMNS], "rows": rows})
-    environments = (frame[ENV_COLUMNS + ["run_id"]].drop_duplicates().astype(object)
-                    .map(fmt.text).to_dict("records") if len(frame) else [])
+    # Where each measured row ran; a projected row's device name is its profile's, not a device that ran it,
+    # so projections list only the machine and code that computed them.
+    measured = frame[frame["source"] == "measured"] if len(frame) else frame
+    projected = frame[frame["source"] == "projected"] if len(frame) else frame
+    environments = (measured[ENV_COLUMNS + ["run_id"]].drop_duplicates().astype(object)
+                    .map(fmt.text).to_dict("records") if len(measured) else [])
+    projected_on = (projected[PROJECTED_ENV_COLUMNS].drop_duplicates().astype(object)
+                    .map(fmt.text).to_dict("records") if len(projected) else [])
     sources = sorted(frame["source"].dropna().unique()) if len(frame) else []
     measured_gpus = set(frame.loc[frame["source"] == "measured", "gpu"]) if len(frame) else set()
     projected_gpus = sorted(set(frame.loc[frame["source"] == "projected", "gpu"]) - measured_gpus) if len(frame) else []
@@ -180,6 +188,7 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
         "workloads": workloads,
         "accuracy": projection_accuracy(frame) if len(frame) else [],
         "environments": environments,
+        "projected_on": projected_on,
         "generation": generation_rows(frame) if len(frame) else None,
         "serve_matrix": serving,
         "timelines": [dict(chart, name=f"timeline-{index}", title=f"{chart['cell']} (peak {fmt.bytes_(chart['peak'])})")

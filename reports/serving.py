@@ -47,6 +47,20 @@ def generation_rows(frame: pd.DataFrame) -> dict | None:
                      for _, row in rows.iterrows()]}
 
 
+def reprice_matrix(matrix: pd.DataFrame, prices: dict) -> pd.DataFrame:
+    """The serving matrix costed at `prices` (harness/prices.py), as every other cost in the report is: each
+    row's USD-per-million-tokens figures scale by the new hourly price over the one it was costed at, and a
+    GPU without a price has none."""
+    matrix = matrix.copy()
+    old = pd.to_numeric(matrix["usd_per_hour"], errors="coerce") if "usd_per_hour" in matrix else float("nan")
+    new = matrix["gpu"].map(lambda g: prices[g].per_device if g in prices else float("nan")).astype(float)
+    for column in [c for c in matrix.columns if c.startswith("usd_per_million_tokens")]:
+        matrix[column] = pd.to_numeric(matrix[column], errors="coerce") * new / old
+    matrix["usd_per_hour"] = new
+    matrix["price_date"] = matrix["gpu"].map(lambda g: prices[g].date if g in prices else None)
+    return matrix
+
+
 def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
     """The serving fit matrix as a table (largest batch per context first), a chart, and C1's verdict."""
     if matrix is None or matrix.empty:

@@ -251,7 +251,16 @@ def test_merge_of_several_frames(tmp_path):
 
 def test_empty_frame_renders():
     html = render([records_frame([])])
-    assert "No rows." in html and "<table" not in html
+    assert "No measured rows." in html and "<table" not in html
+
+
+def test_projected_rows_list_where_they_were_computed_not_a_device_that_ran_them():
+    frame = _frame([_record(cell_id="p", gpu="h100-sxm", source="projected", device_name="NVIDIA H100 80GB HBM3",
+                            hostname="laptop", torch_version="2.11.0", git_sha="abc123")])
+    html = render([frame])
+    [table] = Page(html).sections()["Environment"]
+    assert table["headers"] == ["hostname", "torch_version", "git_sha", "run_id"]
+    assert table["rows"] == [["laptop", "2.11.0", "abc123", "run-1"]] and "No measured rows." in html
 
 
 def test_write_report_to_unwritable_place(tmp_path):

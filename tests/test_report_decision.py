@@ -102,8 +102,9 @@ def test_every_claim_is_judged_in_order():
     # 8 bytes of AdamW state per parameter in the rows: half the guide's 16.
     assert by_id["C2"]["verdict"] == "contradicted: Adam's state is 2.0x smaller than stated"
     assert by_id["C13"]["verdict"].startswith("contradicted") and "max |error|" in by_id["C13"]["found"]
-    # The h100 baseline OOM is fixed by amp-bf16 alone: 1 of 1 (no param-sharing rows).
-    assert by_id["C16"]["verdict"].startswith("contradicted: 100%, not 80% (without param-sharing rows")
+    # The h100 baseline OOM is fixed by amp-bf16 alone: 1 of 1 (no param-sharing rows), too few to rule out 80%.
+    assert by_id["C16"]["verdict"] == ("inconclusive: 100% of 1 cells (95% interval 3%-100%, 80% inside) "
+                                       "(without param-sharing rows: mixed precision alone)")
     # 1 - (34/t) / (10 + 24/t): 23% at t=2, 47% at t=4, 67% at t=8.
     assert by_id["C12"]["verdict"].startswith("not measurable here for T5-XXL") and "-23% at t=2, -47% at t=4" in \
         by_id["C12"]["found"]
@@ -129,6 +130,14 @@ def _matrix() -> pd.DataFrame:
     ])
 
 
+def test_answers_list_the_smaller_model_first_and_say_what_to_try_where_nothing_fits():
+    rows = [_row(size="gpt-7b", param_count=7_000_000_000, status="oom", fits=False),
+            _row(size="gpt2-1.3b", param_count=1_300_000_000, throughput_samples_s=10.0)]
+    listed = answers(cost_rows(records_frame(rows), PRICES), CAPACITIES)
+    assert [a["size"] for a in listed] == ["gpt2-1.3b", "gpt-7b"]
+    assert listed[1]["why"].startswith("nothing tried fits one GPU: headroom advise --workload gpt --size gpt-7b")
+
+
 def test_serving_picks_come_from_the_matrix_at_the_reports_prices():
     prices = {**PRICES, "h100-sxm": Price("h100-sxm", 8.0, "2026-02", "dearer")}
     [answer] = serving_answers(_matrix(), prices)
@@ -136,6 +145,21 @@ def test_serving_picks_come_from_the_matrix_at_the_reports_prices():
     assert answer["picks"]["fastest"]["gpu"] == "h100-sxm" and "150 tokens/s" in answer["picks"]["fastest"]["what"]
     # h100 costed again at twice its price: 0.74 per million tokens, still below the a10's 0.83.
     assert answer["picks"]["value"]["gpu"] == "h100-sxm" and answer["picks"]["value"]["cost"] == "$0.74 / M tokens"
+    assert answer["decode"] == "compiled"
+    eager = _matrix().assign(technique="bf16-weights")
+    assert serving_answers(eager, prices)[0]["decode"] == "eager"
+
+
+def test_the_serving_table_is_costed_at_the_reports_prices():
+    from reports.serving import reprice_matrix
+
+    prices = {**PRICES, "h100-sxm": Price("h100-sxm", 8.0, "2026-02", "dearer")}
+    repriced = reprice_matrix(_matrix(), prices).set_index("gpu")
+    assert repriced.loc["h100-sxm", "usd_per_hour"] == 8.0 and repriced.loc["h100-sxm", "price_date"] == "2026-02"
+    assert repriced.loc["h100-sxm", "usd_per_million_tokens_max"] == pytest.approx(0.74)  # twice the price
+    assert repriced.loc["h100-sxm", "usd_per_million_tokens_b1"] == pytest.approx(20.0)
+    unpriced = reprice_matrix(_matrix(), {}).set_index("gpu")
+    assert unpriced["usd_per_million_tokens_max"].isna().all() and unpriced["usd_per_hour"].isna().all()
 
 
 class _Answers(HTMLParser):
@@ -225,6 +249,19 @@ def test_c3_says_what_its_row_lacks_instead_of_judging_it():
     assert "the total" not in c3["verdict"]  # unknown without the optimizer's and the activations' bytes
 
 
+def test_c3_scales_only_the_activations_that_grow_with_the_batch():
+    # Autocast's 16-bit weight copies (2 B/param) sit in a mixed-precision row's activations at any batch:
+    # 350 GB of copies + 80 GB per sample at batch 1 is 350 GB + 1024 x 80 GB at batch 1024, not 1024 x 430 GB.
+    big = dict(size="gpt3-175b", param_count=175_000_000_000, params_bytes=700e9, optimizer_bytes=1400e9,
+               batch_size=1, activations_bytes=430e9)
+    c3 = _claims(_row(**big))["C3"]
+    at_1024 = 350e9 + 1024 * 80e9
+    assert f"{at_1024 / 1e12:,.0f} TB scaled linearly" in c3["found"] and "350 GB of them autocast's" in c3["found"]
+    assert f"activations at batch 1024 {at_1024 / 500e9:,.0f}x the stated" in c3["verdict"]
+    fp32 = _claims(_row(**big, technique="baseline", precision="fp32"))["C3"]  # fp32 weights are not copied
+    assert f"{1024 * 430e9 / 1e12:,.0f} TB scaled linearly" in fp32["found"] and "copies" not in fp32["found"]
+
+
 def test_c8_pairs_accumulation_with_a_baseline_of_its_own_source():
     accumulated = _row(gpu="h100-sxm", technique="grad-accumulation", batch_size=8, source="measured",
                        peak_reserved_bytes=int(2.2 * GIB))
@@ -254,4 +291,25 @@ def test_c14_and_c15_judge_what_the_rows_hold():
             _row(gpu="h100-sxm", throughput_samples_s=40.0, usd_per_million_samples=1.5)]
     c15 = _claims(*rows)["C15"]
     assert "h100-sxm runs x2.00 as fast as a100-sxm4-80gb" in c15["found"] and "1 projected cells" in c15["found"]
-    assert c15["rows"] == "projected cells on both GPUs" and c15["verdict"].startswith("train contradicted")
+    assert c15["rows"] == "projected cells on both GPUs"
+    assert c15["verdict"] == "train contradicted: h100-sxm faster (guide: A100 80GB better)"
+    rows[2] = _row(gpu="h100-sxm", throughput_samples_s=20.8, usd_per_million_samples=1.5)
+    assert _claims(*rows)["C15"]["verdict"] == "train: neither (within 5%; guide: A100 80GB better)"
+
+
+def test_a_ratio_claim_judged_on_projections_alone_says_so():
+    resnet = dict(workload="resnet50", size="resnet50", batch_size=32)
+    base = _row(**resnet, technique="baseline", peak_reserved_bytes=10 * GIB, step_time_ms_p50=30.0)
+    amp = _row(**resnet, technique="amp-fp16", peak_reserved_bytes=6 * GIB, step_time_ms_p50=20.0)
+    assert _claims(base, amp)["C5"]["verdict"] == "supported (projected only)"
+    measured = [dict(row, source="measured") for row in (base, amp)]
+    assert _claims(*measured)["C5"]["verdict"] == "supported"
+
+
+def test_c16_rules_out_80_percent_only_where_enough_cells_do():
+    gpus = ["t4", "a10", "l4", "a100-pcie-40gb", "a100-sxm4-80gb", "h100-sxm", "h200", "l40s", "b200", "mi300x"]
+    rows = [row for gpu in gpus for row in (_row(gpu=gpu, technique="baseline", status="oom", fits=False),
+                                            _row(gpu=gpu, technique="checkpointing"))]
+    # 0 of 10 cells made to fit by mixed precision or sharing alone: 80% lies outside the interval.
+    assert _claims(*rows)["C16"]["verdict"].startswith("contradicted: 0% of 10 cells (95% interval 0%-31%), not 80%")
+    assert _claims(*rows[:2])["C16"]["verdict"].startswith("inconclusive: 0% of 1 cells")
