@@ -372,7 +372,8 @@ def strategy_table(rows: pd.DataFrame) -> list[dict]:
             amp, checkpointing = any(t.startswith("amp") for t in stack), any("checkpointing" in t for t in stack)
             if label == "<1B":
                 verdict = "agrees" if amp and checkpointing else \
-                    "agrees on mixed precision; checkpointing only costs time where memory is left" if amp else \
+                    "partly agrees: mixed precision, but checkpointing only costs time where memory is left" \
+                    if amp else \
                     "disagrees"
             elif label == "1-10B":
                 verdict = "disagrees: one GPU holds " + ", ".join(dict.fromkeys(ok["size"])) + \
@@ -390,12 +391,13 @@ def judge_c14(rows: pd.DataFrame, multi_gpu_rows: int = 0) -> dict:
     if not table:
         return _judged("C14", "no training rows", "none", "not measurable here")
     agree = sum(row["verdict"].startswith("agrees") for row in table)
+    partly = sum(row["verdict"].startswith("partly agrees") for row in table)
     found = "; ".join(f"{row['bucket']}: {row['rows recommend']} (guide: {row['guide']})" for row in table)
     beyond = (f"; {multi_gpu_rows} multi-GPU cells in these results (their own section)" if multi_gpu_rows else
               "; no multi-GPU cells in these results (headroom project --tp/--pp/--dp projects them)")
     return _judged("C14", found, "single-GPU training rows by parameter count (the strategy table below)",
-                   f"{'supported' if agree == len(table) else 'partly supported'}: {agree} of {len(table)} buckets "
-                   "agree" + beyond)
+                   f"{'supported' if agree == len(table) else 'partly supported' if agree + partly else 'contradicted'}"
+                   f": {agree} of {len(table)} buckets agree" + (f", {partly} partly" if partly else "") + beyond)
 
 
 # Two GPUs within 5% of each other are a tie: less than a projection's error (ledger intervals) and than

@@ -306,6 +306,14 @@ def test_a_ratio_claim_judged_on_projections_alone_says_so():
     assert _claims(*measured)["C5"]["verdict"] == "supported"
 
 
+def test_c14_counts_a_bucket_that_agrees_on_part_of_the_guides_stack_as_partial():
+    c14 = _claims(_row(usd_per_million_samples=1.0))["C14"]  # <1B, amp-bf16 without checkpointing wins
+    assert c14["verdict"].startswith("partly supported: 0 of 1 buckets agree, 1 partly")
+    both = _claims(_row(technique="amp-bf16+checkpointing", usd_per_million_samples=1.0))["C14"]
+    assert both["verdict"].startswith("supported: 1 of 1 buckets agree;")
+    assert _claims(_row(technique="baseline", precision="fp32"))["C14"]["verdict"].startswith("contradicted: 0 of 1")
+
+
 def test_c16_rules_out_80_percent_only_where_enough_cells_do():
     gpus = ["t4", "a10", "l4", "a100-pcie-40gb", "a100-sxm4-80gb", "h100-sxm", "h200", "l40s", "b200", "mi300x"]
     rows = [row for gpu in gpus for row in (_row(gpu=gpu, technique="baseline", status="oom", fits=False),
