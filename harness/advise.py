@@ -51,6 +51,12 @@ def row_memory_left(row, capacity) -> float | None:
                        row.get("peak_allocated_bytes"), fits)
 
 
+def row_memory_left_worst(row, capacity) -> float | None:
+    """Bytes left at the high end of a projected row's reserved-memory interval (harness/ledger.py), None
+    where it has none (a measured row, or no interval): below zero, a cell projected to fit may not."""
+    return memory_left(row.get("peak_reserved_high_bytes"), row.get("device_overhead_bytes"), capacity)
+
+
 def gib(value: float, signed: bool = False) -> str:
     return f"{value / GIB:{'+' if signed else ''},.1f} GiB"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.advise import row_memory_left
+from harness.advise import row_memory_left, row_memory_left_worst
 from harness.prices import tokens_per_sample
 from reports import format as fmt
 from reports.cells import gpu_cells
@@ -39,6 +39,8 @@ def candidates(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
     rows["throughput_low"] = (throughput * p50 / high).where(~measured_rows, throughput * (1 - cv).where(cv < 1))
     rows["throughput_high"] = (throughput * p50 / low).where(~measured_rows, throughput * (1 + cv))
     rows["memory_left_bytes"] = [row_memory_left(row, capacities[row["gpu"]]) for _, row in rows.iterrows()]
+    rows["memory_left_worst_bytes"] = [row_memory_left_worst(row, capacities[row["gpu"]])
+                                       if row["source"] == "projected" else None for _, row in rows.iterrows()]
     rows["devices"] = pd.to_numeric(rows["world_size"], errors="coerce").fillna(1).astype(float)
     return rows
 
@@ -104,9 +106,17 @@ def describe(row, language: bool, ties: int = 0) -> dict:
         "gpu": gpus, "stack": str(row["technique"]), "source": str(row["source"]),
         "batch": fmt.text(row["batch_size"]), "speed": speed, "cost": cost,
         "price": str(row.get("price_label")) if not fmt.missing(usd) else "",
-        "left": fmt.bytes_(row["memory_left_bytes"]),
+        "left": _left(row),
         "ties": f"{ties} other{'s' if ties != 1 else ''} within its range" if ties else "",
     }
+
+
+def _left(row) -> str:
+    """Memory left at the peak; where the projection's interval reaches past the memory, that it may not fit."""
+    left, worst = row["memory_left_bytes"], row.get("memory_left_worst_bytes")
+    if fmt.missing(worst) or float(worst) >= 0:
+        return f"{fmt.bytes_(left)} left"
+    return f"{fmt.bytes_(left)} left, but may not fit: its interval reaches {fmt.bytes_(-float(worst))} past the memory"
 
 
 def answers(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:

@@ -60,11 +60,15 @@ def cost_dots(points: list[dict], title: str, unit: str) -> str:
     return svg_of(figure)
 
 
-def fit_heatmap(labels: list[str], gpus: list[str], left: list[list[float | None]], title: str) -> str:
-    """Rows (size / stack) x GPUs: green where the cell fits, red where it does not, written with the
-    memory left (or missing) in GiB; `left` is bytes, None where no row exists."""
+def fit_heatmap(labels: list[str], gpus: list[str], left: list[list[float | None]], title: str,
+                marginal: list[list[bool]] | None = None) -> str:
+    """Rows (size / stack) x GPUs: green where the cell fits, red where it does not, yellow where it fits as
+    projected but not at the high end of the projection's interval (`marginal`), written with the memory
+    left (or missing) in GiB; `left` is bytes, None where no row exists."""
     figure, axis = plt.subplots(figsize=(max(6.0, 0.62 * len(gpus) + 3), 0.28 * len(labels) + 1.6))
-    shade = [[float("nan") if value is None else (1.0 if value >= 0 else 0.0) for value in row] for row in left]
+    marginal = marginal or [[False] * len(row) for row in left]
+    shade = [[float("nan") if value is None else 0.5 if edge else (1.0 if value >= 0 else 0.0)
+              for value, edge in zip(row, edges, strict=True)] for row, edges in zip(left, marginal, strict=True)]
     axis.imshow(shade, cmap="RdYlGn", vmin=-0.3, vmax=1.3, aspect="auto")
     for i, row in enumerate(left):
         for j, value in enumerate(row):
@@ -73,7 +77,8 @@ def fit_heatmap(labels: list[str], gpus: list[str], left: list[list[float | None
             axis.text(j, i, text, ha="center", va="center", fontsize=6)
     axis.set_yticks(range(len(labels)), labels, fontsize=7)
     axis.set_xticks(range(len(gpus)), gpus, fontsize=7, rotation=45, ha="right")
-    axis.set_title(title + " (GiB left, negative: short by)", fontsize=9)
+    axis.set_title(title + " (GiB left, negative: short by" + ("; yellow: may not fit within the projection's interval)"
+                                                               if any(map(any, marginal)) else ")"), fontsize=9)
     figure.tight_layout()
     return svg_of(figure)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.advise import row_memory_left
+from harness.advise import row_memory_left, row_memory_left_worst
 from reports import charts
 from reports import format as fmt
 from reports.cells import gpu_cells
@@ -35,25 +35,31 @@ def fit_matrices(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
     rows = _cells(frame, capacities)
     matrices = []
     for (workload, mode), group in rows.groupby(["workload", "mode"], sort=False):
-        group = group.assign(left=[row_memory_left(row, capacities[row["gpu"]]) for _, row in group.iterrows()])
+        group = group.assign(left=[row_memory_left(row, capacities[row["gpu"]]) for _, row in group.iterrows()],
+                             worst=[row_memory_left_worst(row, capacities[row["gpu"]]) if row["source"] == "projected"
+                                    else None for _, row in group.iterrows()])
         order = group.groupby("size")["params_bytes"].max().astype(float).sort_values().index
         gpus = sorted(group["gpu"].unique(), key=lambda g: (capacities[g], g))
-        labels, left = [], []
+        labels, left, marginal = [], [], []
         for size in order:
             part = group[group["size"] == size]
             for technique in dict.fromkeys(part["technique"]):
-                cells = part[part["technique"] == technique].drop_duplicates("gpu").set_index("gpu")["left"]
-                status = part[part["technique"] == technique].drop_duplicates("gpu").set_index("gpu")["status"]
+                by_gpu = part[part["technique"] == technique].drop_duplicates("gpu").set_index("gpu")
+                cells, status, worst = by_gpu["left"], by_gpu["status"], by_gpu["worst"]
                 labels.append(f"{size} / {technique}")
                 # An OOM without a figure (a measured cell that died) is short by an unknown amount.
                 left.append([float("-inf") if status.get(gpu) == "oom" and fmt.missing(cells.get(gpu)) else
                              None if fmt.missing(cells.get(gpu)) else float(cells[gpu]) for gpu in gpus])
+                # Fits as projected, but not at the high end of the projection's interval.
+                marginal.append([not fmt.missing(cells.get(gpu)) and float(cells[gpu]) >= 0
+                                 and not fmt.missing(worst.get(gpu)) and float(worst[gpu]) < 0 for gpu in gpus])
         fits = sum(value is not None and value >= 0 for row in left for value in row)
+        may_not = sum(flag for row in marginal for flag in row)
         judged = sum(value is not None for row in left for value in row)
         sources = " and ".join(sorted(set(group["source"])))
         title = f"{workload} {mode}: fits on which GPU ({sources})"
         matrices.append({"name": f"fit-{workload}-{mode}", "title": title, "fits": fits, "judged": judged,
-                         "svg": charts.fit_heatmap(labels, gpus, left, title)})
+                         "marginal": may_not, "svg": charts.fit_heatmap(labels, gpus, left, title, marginal)})
     return matrices
 
 

@@ -82,6 +82,19 @@ def test_the_fit_matrix_counts_fitting_cells():
     assert matrix["judged"] == 6 and matrix["fits"] == 5 and "<svg" in matrix["svg"]
 
 
+def test_a_cell_that_fits_only_below_the_high_end_of_its_interval_is_marked_as_may_not_fit():
+    edge = _row(gpu="a10", throughput_samples_s=10.0, peak_reserved_high_bytes=CAPACITIES["a10"])
+    frame = cost_rows(records_frame([edge]), PRICES)
+    [matrix] = fit_matrices(frame, CAPACITIES)
+    assert matrix["fits"] == 1 and matrix["marginal"] == 1 and "may not fit" in matrix["svg"]
+    [answer] = answers(frame, CAPACITIES)
+    assert answer["picks"]["cheapest"]["left"].endswith("left, but may not fit: its interval reaches 512.0 MiB "
+                                                        "past the memory")  # the CUDA context's 512 MiB
+    roomy = cost_rows(records_frame([dict(edge, peak_reserved_high_bytes=4 * GIB)]), PRICES)
+    assert fit_matrices(roomy, CAPACITIES)[0]["marginal"] == 0
+    assert answers(roomy, CAPACITIES)[0]["picks"]["cheapest"]["left"].endswith("GiB left")
+
+
 def test_the_pareto_front_holds_the_stacks_no_other_beats_on_both():
     [section] = memory_sections(_frame(), CAPACITIES)
     assert "b200" in section["title"]  # the GPU that was measured
