@@ -109,6 +109,16 @@ def price_rows(prices: dict, profiles: dict, frame: pd.DataFrame) -> list[dict]:
              "no dated on-demand price known: costs stay empty (give one with --prices FILE)"} for gpu in gpus]
 
 
+def _with_serving(sections: dict, served: list[dict]) -> dict:
+    """The serving answers beside the sections, and on each inference answer of a size they cover a pointer
+    to them: the rows' stacks serve with eager steps in the stack's own precision, the serving matrix with
+    16-bit or quantised weights and a compiled decode, which is what a buyer would run."""
+    sizes = {answer["size"] for answer in served}
+    answers = [dict(answer, served=answer["mode"] == "infer" and answer["size"] in sizes)
+               for answer in sections["answers"]]
+    return {**sections, "answers": answers, "serving_answers": served}
+
+
 def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_from: dict) -> dict:
     """The sections that decide a purchase: the answer, fit matrices, memory and speed trade-offs, OOM
     advice, prices and the guide's claims judged (reports/answer.py, tradeoffs.py, advice.py, claims.py)."""
@@ -196,8 +206,7 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
         "fragmentation": probe,
         "quality": quality,
         "intervals": interval_summary(frame) if len(frame) else [],
-        "serving_answers": serving_answers(matrix, prices),
-        **decision_sections(frame, profiles, prices, claims_from),
+        **_with_serving(decision_sections(frame, profiles, prices, claims_from), serving_answers(matrix, prices)),
         "price_basis": ", ".join(sorted({price.basis for price in prices.values()})) or "on-demand",
     }
 

@@ -223,6 +223,17 @@ def test_a_reader_finds_what_to_buy_and_what_it_costs(buyers_page):
     assert seven_b[3].startswith("h100-sxm · bf16 weights") and "$0.37 / M tokens" in seven_b[3]
 
 
+def test_an_inference_answer_of_a_served_size_points_to_the_serving_answer():
+    served = _row(size="gpt-7b", mode="infer", technique="baseline", precision="fp32", throughput_samples_s=1.0)
+    page = render([pd.concat([_frame(), cost_rows(records_frame([served]), PRICES)], ignore_index=True)],
+                  matrix=_matrix(), prices=PRICES, profiles=PROFILES)
+    training, _ = ([row for row in table if row] for table in _Answers(page).tables)
+    rows = {tuple(row[:2]): row[2] for row in training}
+    assert "served with 16-bit or quantised weights, see serving a decoder" in rows[("gpt", "gpt-7b")]
+    assert rows[("gpt", "gpt2-1.3b")] == "train"  # a training answer, and a size the matrix does not serve
+    assert 'id="serving-answer"' in page
+
+
 def test_the_strategy_table_sets_the_rows_recommendation_beside_the_guides():
     from reports.claims import single_gpu_cells, strategy_table
 
