@@ -98,9 +98,9 @@ def describe(row, language: bool, ties: int = 0) -> dict:
                     f"{fmt.usd(float(usd) * throughput / bounds[0] / scale)})"
     devices = int(row["devices"])
     gpus = f"{devices} x {row['gpu']}" if devices > 1 else str(row["gpu"])
-    speed = f"{fmt.number(throughput * scale, 1)} {unit}/s"
+    speed = f"{fmt.rate(throughput * scale)} {unit}/s"
     if bounds:
-        speed += f" ({fmt.number(bounds[0] * scale, 1)} - {fmt.number(bounds[1] * scale, 1)}, " + \
+        speed += f" ({fmt.rate(bounds[0] * scale)} - {fmt.rate(bounds[1] * scale)}, " + \
             ("run-to-run noise" if row["source"] == "measured" else "projection interval") + ")"
     return {
         "gpu": gpus, "stack": str(row["technique"]), "source": str(row["source"]),

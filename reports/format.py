@@ -33,6 +33,17 @@ def number(value, digits: int = 1) -> str:
     return f"{float(value):,.{digits}f}"
 
 
+def rate(value) -> str:
+    """A throughput in whole units from 100 up, to three significant figures below: a projection's interval
+    spans tens of percent, so the decimals of 86,730.8 tokens/s would claim a precision no figure here has."""
+    if missing(value):
+        return EMPTY
+    value = float(value)
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
 def percent(value) -> str:
     if missing(value):
         return EMPTY

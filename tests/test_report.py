@@ -411,3 +411,9 @@ def test_cost_at_quality_keeps_stacks_within_noise_of_the_baseline():
     kept = cost_at_quality(rows)
     assert list(kept["technique"]) == ["baseline", "ptq-int8"]
     assert kept["usd_per_million_samples"].min() == 1.0
+
+
+def test_rates_keep_no_more_figures_than_a_projection_has():
+    from reports.format import rate
+
+    assert [rate(v) for v in (86_730.8, 152.49, 14.34, 0.07234, None)] == ["86,731", "152", "14.3", "0.0723", EMPTY]
