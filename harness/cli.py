@@ -369,12 +369,17 @@ def cmd_run(args) -> int:
         from harness.cli_serving import run_matrix
 
         matrix = run_matrix(plan, profiles, out, console, full=args.serve_matrix)
+    fragmentation = None
+    if plan.day_one:  # a first run judges every claim it can: C4 needs the probe
+        from harness.cli_fragmentation import run_probe
+
+        fragmentation = run_probe(plan, profiles, out, console)
     if not args.no_report:
         try:
             from reports.build import write_report
             from reports.timelines import timeline_files
 
-            write_report([frame], out / "report.html", matrix, timeline_files([out]), accuracy=accuracy)
+            write_report([frame], out / "report.html", matrix, timeline_files([out]), fragmentation, accuracy=accuracy)
         except Exception as exc:  # the rows are saved; a report problem (a checkout updated mid-run) must not hide that
             console.print(f"headroom: report.html not written ({type(exc).__name__}: {str(exc)[:200]}); "
                           f"the results are saved: headroom report {out} --out FILE.html")

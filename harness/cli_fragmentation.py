@@ -22,8 +22,9 @@ def add_parser(sub) -> None:
                       help="keep the rows (the report draws fragmentation.csv found in a results folder)")
 
 
-def cmd_fragmentation(args) -> int:
-    """The probe's rows printed (and kept with --out), then C4's verdict."""
+def probe_rows(profiles: dict, gpu: str, size: str = "gpt2-124m", batch_size: int = 8, measure: bool = False):
+    """The probe's rows as a frame (projected on `gpu`'s capacity; measured too with `measure`) and the
+    results C4 is judged on."""
     import dataclasses
 
     import pandas as pd
@@ -31,12 +32,46 @@ def cmd_fragmentation(args) -> int:
     from harness.cell import Cell
     from harness.fragmentation import (
         SETTINGS,
-        judge_c4,
         measure_guide_scenario,
         measure_loop,
         projected_probe,
         variable_length_events,
     )
+
+    cell = Cell("gpt", size, "train", "amp-bf16", gpu, batch_size, source="projected").resolve(profiles)
+    results = projected_probe(profiles[gpu], cell)
+    if measure:
+        _, lengths = variable_length_events(cell)
+        results += [measure_guide_scenario(setting) for setting in SETTINGS]
+        results += [measure_loop(setting, size, batch_size, lengths) for setting in SETTINGS]
+    frame = pd.DataFrame([{**dataclasses.asdict(r), "waste": r.waste, "gpu": gpu} for r in results])
+    return frame, results
+
+
+def run_probe(plan, profiles: dict, out, console):
+    """A first run's fragmentation probe (projected, about 15 s), written to `out`/fragmentation.csv so its
+    report judges the guide's C4; None where the run has no GPU profile to size it with."""
+    from harness.fragmentation import judge_c4
+    from harness.records import atomic_write_text
+    from reports.fragmentation import FILE
+
+    gpus = [g.id for g in [plan.local, *plan.foreign] if g.vendor != "cpu"]
+    if not gpus:
+        return None
+    gpu = "h100-sxm" if "h100-sxm" in gpus else gpus[0]  # the probe's default GPU where the run has it
+    started = time.perf_counter()
+    frame, results = probe_rows(profiles, gpu)
+    atomic_write_text(out / FILE, frame.to_csv(index=False))
+    console.print(f"fragmentation probe (projected on {gpu}, {time.perf_counter() - started:.0f}s): C4 "
+                  f"{judge_c4(results).split(' (')[0]} -> {printable(str(out / FILE))}")
+    return frame
+
+
+def cmd_fragmentation(args) -> int:
+    """The probe's rows printed (and kept with --out), then C4's verdict."""
+    import pandas as pd
+
+    from harness.fragmentation import judge_c4
     from harness.profiles import detect_local
 
     profiles = _profiles(args)
@@ -47,14 +82,8 @@ def cmd_fragmentation(args) -> int:
     if args.measure and local.vendor != "nvidia":
         raise UsageError("--measure runs the guide's scenario on a CUDA device; this machine has none "
                          "(the projected probe runs without it)")
-    cell = Cell("gpt", args.size, "train", "amp-bf16", gpu, args.batch_size, source="projected").resolve(profiles)
     started = time.perf_counter()
-    results = projected_probe(profiles[gpu], cell)
-    if args.measure:
-        _, lengths = variable_length_events(cell)
-        results += [measure_guide_scenario(setting) for setting in SETTINGS]
-        results += [measure_loop(setting, args.size, args.batch_size, lengths) for setting in SETTINGS]
-    frame = pd.DataFrame([{**dataclasses.asdict(r), "waste": r.waste, "gpu": gpu} for r in results])
+    frame, results = probe_rows(profiles, gpu, args.size, args.batch_size, args.measure)
     shown = frame.assign(**{
         "reserved GiB": frame["peak_reserved_bytes"] / 2**30,
         "allocated at that peak GiB": frame["allocated_at_reserved_peak_bytes"] / 2**30,

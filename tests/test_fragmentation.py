@@ -161,3 +161,21 @@ def test_the_command_prints_the_rows_and_c4_and_the_report_draws_them(tmp_path, 
     if not torch.cuda.is_available():
         assert main(["fragmentation", "--measure"]) == 2
         assert "--measure runs the guide's scenario on a CUDA device" in capsys.readouterr().err
+
+
+def test_a_first_run_keeps_the_probe_beside_its_rows_so_its_report_judges_c4(tmp_path):
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from harness.cli_fragmentation import run_probe
+    from reports.fragmentation import FILE, fragmentation_section
+
+    profiles = load_profiles()
+    console = SimpleNamespace(print=lambda *a, **k: None)
+    plan = SimpleNamespace(local=profiles["cpu"], foreign=[profiles["a10"], profiles["h100-sxm"]])
+    frame = run_probe(plan, profiles, tmp_path, console)
+    kept = pd.read_csv(tmp_path / FILE)
+    assert set(kept["gpu"]) == {"h100-sxm"} and len(kept) == len(frame) and (kept["source"] == "projected").all()
+    assert fragmentation_section(kept)["c4"]  # the report's C4 verdict now has rows to stand on
+    assert run_probe(SimpleNamespace(local=profiles["cpu"], foreign=[]), profiles, tmp_path / "none", console) is None
