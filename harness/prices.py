@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import math
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 
 import pandas as pd
@@ -17,6 +18,9 @@ import pandas as pd
 from harness.profiles import PRICE_BASIS, PRICE_DATE, GpuProfile, unknown_name
 
 PRICE_COLUMNS = ("gpu", "usd_per_hour", "date", "source")
+# Hyperscaler list prices moved by 40-70% during 2025-26 (the team's GPU reference notes, from providers'
+# pages and secondary sources): a price over a year old may be far from today's, and the report says so.
+STALE_AFTER_DAYS = 365
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,23 @@ class Price:
         """`$3.78/h, 2026-05-07`: what the report prints beside a cost."""
         share = f" (${self.per_device:,.2f} per device)" if self.devices > 1 else ""
         return f"${self.usd_per_hour:,.2f}/h{share}, {self.date}"
+
+
+def price_age_days(price: Price, today: date) -> int:
+    """Days from a price's date (YYYY, YYYY-MM or YYYY-MM-DD; a missing day or month counts as the first)
+    to `today`."""
+    parts = [int(part) for part in price.date.split("-")] + [1, 1]
+    return (today - date(parts[0], parts[1], parts[2])).days
+
+
+def age_text(price: Price, today: date) -> str:
+    """How old a price is, in words, with a warning past STALE_AFTER_DAYS."""
+    days = price_age_days(price, today)
+    if days < 60:
+        return f"{max(days, 0)} days"
+    if days <= STALE_AFTER_DAYS:
+        return f"{days // 30} months"
+    return f"{days / 365.25:.1f} years: re-check, prices have moved since"
 
 
 def profile_prices(profiles: dict[str, GpuProfile]) -> dict[str, Price]:

@@ -7,7 +7,7 @@ missing value fails loudly instead of printing nothing).
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import jinja2
@@ -98,12 +98,17 @@ def capacities_of(profiles: dict) -> dict[str, int]:
             if profile.vendor != "cpu" and profile.per_device().capacity_bytes}
 
 
-def price_rows(prices: dict, profiles: dict, frame: pd.DataFrame) -> list[dict]:
-    """Every GPU in the rows with the price costs are computed at, or why there is none."""
+def price_rows(prices: dict, profiles: dict, frame: pd.DataFrame, today: date | None = None) -> list[dict]:
+    """Every GPU in the rows with the price costs are computed at (and its age on `today`, default the
+    report's date), or why there is none."""
+    from harness.prices import age_text
+
+    today = today or datetime.now(UTC).date()
     gpus = sorted(set(frame["gpu"].dropna()) & set(capacities_of(profiles))) if len(frame) else []
     return [{"GPU": gpu, "USD per GPU-hour (as rented)": prices[gpu].label.rsplit(", ", 1)[0] if gpu in prices
              else fmt.EMPTY,
              "date": prices[gpu].date if gpu in prices else fmt.EMPTY,
+             "age": age_text(prices[gpu], today) if gpu in prices else fmt.EMPTY,
              "basis": prices[gpu].basis if gpu in prices else fmt.EMPTY,
              "source": prices[gpu].source if gpu in prices else
              "no dated on-demand price known: costs stay empty (give one with --prices FILE)"} for gpu in gpus]

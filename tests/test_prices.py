@@ -89,3 +89,21 @@ def test_rows_are_costed_from_throughput_at_the_table_price():
     assert costed["usd_per_million_tokens"][2] == pytest.approx(0.9 / 3600 / 2 * 1e6 / 100)
     assert pd.isna(costed["usd_per_million_samples"][3]) and costed["price_label"][3] == "no price known"
     assert costed["price_label"][0] == "$0.90/h, 2026"
+
+
+def test_a_price_over_a_year_old_is_flagged_in_the_prices_table():
+    from datetime import date
+
+    from harness.prices import age_text
+    from reports.build import price_rows
+
+    today = date(2026, 12, 4)
+    assert age_text(Price("a", 1.0, "2026-11-20", "s"), today) == "14 days"
+    assert age_text(Price("a", 1.0, "2026-05", "s"), today) == "7 months"
+    assert age_text(Price("a", 1.75, "2024-05", "s"), today) == "2.6 years: re-check, prices have moved since"
+    profiles = load_profiles()
+    frame = pd.DataFrame({"gpu": ["a10", "a100-sxm4-80gb"]})
+    prices = {"a10": Price("a10", 0.86, "2026-05-07", "s"),
+              "a100-sxm4-80gb": Price("a100-sxm4-80gb", 1.75, "2024", "s")}
+    ages = {row["GPU"]: row["age"] for row in price_rows(prices, profiles, frame, today)}
+    assert ages == {"a10": "7 months", "a100-sxm4-80gb": "2.9 years: re-check, prices have moved since"}
