@@ -55,7 +55,8 @@ def cost_dots(points: list[dict], title: str, unit: str) -> str:
                     "bars: projection interval or noise", fontsize=7)
     axis.set_title(title, fontsize=9)
     axis.grid(axis="x", alpha=0.3)
-    axis.legend(fontsize=7, loc="lower right", title="size", title_fontsize=7)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="size",
+                title_fontsize=7)  # beside the axes, never over a point
     figure.tight_layout()
     return svg_of(figure)
 
@@ -101,11 +102,12 @@ def memory_bars(stacks: list[str], parts: dict[str, list[float]], title: str) ->
     return svg_of(figure)
 
 
-def pareto_scatter(points: list[dict], title: str) -> str:
-    """Peak memory against throughput, one labelled point per stack, the Pareto front (no other stack
-    both smaller and faster) joined by a line. `points`: label, memory (bytes), speed, front (bool)."""
+def pareto_scatter(points: list[dict], title: str, unit: str = "samples/s") -> str:
+    """Peak memory against throughput (in `unit`), one labelled point per stack, the Pareto front (no other
+    stack both smaller and faster) joined by a line. `points`: label, memory (bytes), speed, front (bool).
+    Stacks within 1% of each other on both axes share one point and one label, which would overprint."""
     figure, axis = plt.subplots(figsize=(7.5, 4.2))
-    for point in points:
+    for point in _merged(points):
         axis.scatter(point["memory"] / GIB, point["speed"], s=28,
                      color="#c44e52" if point["front"] else "#999999", zorder=3)
         axis.annotate(point["label"], (point["memory"] / GIB, point["speed"]), fontsize=7,
@@ -114,9 +116,23 @@ def pareto_scatter(points: list[dict], title: str) -> str:
     axis.plot([p["memory"] / GIB for p in front], [p["speed"] for p in front], color="#c44e52", lw=1,
               label="Pareto front")
     axis.set_xlabel("peak reserved (GiB)", fontsize=8)
-    axis.set_ylabel("samples/s", fontsize=8)
+    axis.set_ylabel(unit, fontsize=8)
     axis.set_title(title, fontsize=9)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=7)
     figure.tight_layout()
     return svg_of(figure)
+
+
+def _merged(points: list[dict]) -> list[dict]:
+    """`points` with those within 1% of an earlier one on both axes folded into it, labels joined."""
+    merged: list[dict] = []
+    for point in points:
+        same = next((m for m in merged if abs(m["memory"] - point["memory"]) <= 0.01 * max(m["memory"], 1)
+                     and abs(m["speed"] - point["speed"]) <= 0.01 * max(m["speed"], 1e-12)), None)
+        if same is None:
+            merged.append(dict(point))
+        else:
+            same["label"] += ", " + point["label"]
+            same["front"] = same["front"] or point["front"]
+    return merged

@@ -104,7 +104,11 @@ def memory_sections(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dic
         section = {"name": f"memory-{workload}-{mode}", "title": title,
                    "svg": charts.memory_bars(stacks, numbers, title), "pareto": None}
         speed = chosen[chosen["status"] == "ok"]
-        speed = speed.assign(speed=pd.to_numeric(speed["throughput_samples_s"], errors="coerce").astype(float),
+        # Language models read in tokens, as the answer and the cost charts give them; the rest in samples.
+        tokens = pd.to_numeric(speed.get("tokens_per_s"), errors="coerce").astype(float)
+        unit = "tokens/s" if len(speed) and tokens.notna().all() else "samples/s"
+        speed = speed.assign(speed=tokens if unit == "tokens/s" else
+                             pd.to_numeric(speed["throughput_samples_s"], errors="coerce").astype(float),
                              memory=pd.to_numeric(speed["peak_reserved_bytes"], errors="coerce").astype(float))
         speed = speed.dropna(subset=["speed", "memory"])
         if len(speed) >= 2:
@@ -114,7 +118,7 @@ def memory_sections(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dic
                       for _, r in speed.iterrows()]
             ptitle = f"{workload} {size} {mode} on {gpu} ({source}): speed against memory"
             section["pareto"] = {"name": f"pareto-{workload}-{mode}", "title": ptitle,
-                                 "svg": charts.pareto_scatter(points, ptitle),
+                                 "svg": charts.pareto_scatter(points, ptitle, unit),
                                  "front": ", ".join(p["label"] for p in sorted(points, key=lambda p: p["memory"])
                                                     if p["front"])}
         sections.append(section)

@@ -95,6 +95,20 @@ def test_a_cell_that_fits_only_below_the_high_end_of_its_interval_is_marked_as_m
     assert answers(roomy, CAPACITIES)[0]["picks"]["cheapest"]["left"].endswith("GiB left")
 
 
+def test_the_pareto_chart_folds_coincident_stacks_and_reads_language_models_in_tokens():
+    from reports.charts import _merged
+
+    points = [{"label": "amp-bf16", "memory": 100.0, "speed": 50.0, "front": True},
+              {"label": "amp-fp16", "memory": 100.5, "speed": 50.2, "front": False},
+              {"label": "baseline", "memory": 200.0, "speed": 40.0, "front": False}]
+    assert [(p["label"], p["front"]) for p in _merged(points)] == [("amp-bf16, amp-fp16", True), ("baseline", False)]
+    frame = _frame().assign(tokens_per_s=lambda f: f["throughput_samples_s"] * 2048)
+    [section] = memory_sections(frame, CAPACITIES)
+    assert "tokens/s" in section["pareto"]["svg"] and "samples/s" not in section["pareto"]["svg"]
+    [plain] = memory_sections(_frame(), CAPACITIES)  # no tokens column: samples
+    assert "samples/s" in plain["pareto"]["svg"]
+
+
 def test_the_pareto_front_holds_the_stacks_no_other_beats_on_both():
     [section] = memory_sections(_frame(), CAPACITIES)
     assert "b200" in section["title"]  # the GPU that was measured
