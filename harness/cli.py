@@ -102,6 +102,42 @@ def _folder(text: str) -> Path:
     return Path(text)
 
 
+def _out_path(text: str) -> Path:
+    """A path to write: a folder of results is written as Parquet, whose strings must be UTF-8, so a
+    name that is not (bytes a terminal passed through) is refused before any work is done."""
+    path = _folder(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"{printable(text)!r} is not valid UTF-8; choose another name") from None
+    return path
+
+
+# The files a results folder keeps (harness/records.py, ledger.py, serve_matrix.py, reports/fragmentation.py).
+RUN_FILES = ("results.parquet", "results.csv", "ledger.csv", "accuracy.csv", "fragmentation.csv", "serve_matrix.csv")
+
+
+def guard_output(path: Path, own: str | None = None, flag: str = "--out", folder: bool = False) -> None:
+    """Refuse, before any work, an output that cannot be written or a file that would overwrite a results
+    folder's own files: a run's rows, twins, accuracy, probe or matrix, or a cell file (`own`: the one file
+    name this command writes where it would be the run's own, e.g. serve_matrix.csv for serve-matrix).
+    `folder`: the output is a folder (calibrate's overlays)."""
+    if folder and path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {printable(str(path))} is a file; it names a folder: choose another {flag}")
+    if not folder and path.is_dir():
+        raise UsageError(f"{flag} {printable(str(path))} is a folder; give a file name")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UsageError(f"{flag} {printable(str(path))}: {printable(str(parent))} is a file, not a folder; "
+                         f"choose another {flag}")
+    if folder:
+        return
+    holds_run = path.parent.is_dir() and any((path.parent / name).exists() for name in (*RUN_FILES, "cells"))
+    if (path.name in RUN_FILES and path.name != own and holds_run) or path.parent.name == "cells":
+        raise UsageError(f"{flag} {printable(str(path))} would overwrite a results folder's own file; "
+                         f"choose another {flag}")
+
+
 def _price(text: str) -> float:
     try:
         value = float(text)
@@ -123,7 +159,7 @@ def _add_generation_flags(parser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="headroom", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors (also after the command)")
     parser.add_argument("--profiles", metavar="DIR", help="extra folder of GPU profile TOMLs "
                         "(also HEADROOM_PROFILES)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -137,14 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="technique stacks such as baseline,amp-bf16+checkpointing or recipes such as small-model; "
                           "'all' for every technique and recipe (default: baseline, amp-bf16, amp-fp16, "
                           "checkpointing, grad-accumulation)")
-    run.add_argument("--gpu", type=_csv, default=None, help="profile ids, families or all (default: the local device)")
+    run.add_argument("--gpu", type=_csv, default=None,
+                     help="profile ids, families or all (default: the local device; on a machine without a GPU "
+                          "also every GPU profile, projected)")
     run.add_argument("--scale", default=None, help="smoke|standard|large (default: smoke on CPU, standard on GPU)")
     run.add_argument("--mode", type=_csv, default=["train", "infer"], help="train, infer or both (default)")
     run.add_argument("--batch-size", type=_count, default=None, help="override every size's default batch")
     _add_generation_flags(run)
-    run.add_argument("--out", type=_folder, default=None, help="results folder (default: results/<run-id>)")
+    run.add_argument("--out", type=_out_path, default=None, help="results folder (default: results/<run-id>)")
     run.add_argument("--cell-timeout", type=_seconds, default=None, metavar="S", help="seconds per cell (default 600)")
-    run.add_argument("--warmup", type=int, default=2)
+    run.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones (default 2)")
     run.add_argument("--steps", type=int, default=10, help="timed steps per repeat (at least 10)")
     run.add_argument("--repeats", type=int, default=3, help="timed loops per cell (their spread flags noise)")
     run.add_argument("--noise-threshold", type=_fraction, default=None, metavar="CV",
@@ -189,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="merge results files into one HTML report (or a Markdown summary), or "
                                            "compare two runs cell by cell (--compare OLD NEW)")
     report.add_argument("results", nargs="+", type=Path, help="results folders or .parquet/.csv files")
-    report.add_argument("--out", type=_folder, required=True, metavar="FILE.html|FILE.md")
+    report.add_argument("--out", type=_out_path, required=True, metavar="FILE.html|FILE.md",
+                        help="the report to write (replaced if it exists; a results folder's own files are refused)")
     report.add_argument("--compare", action="store_true",
                         help="give two results, OLD and NEW: which cells got better or worse beyond their noise")
     report.add_argument("--format", choices=("html", "md"), default=None,
@@ -246,6 +285,8 @@ def _user_workloads(args) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
+    # Taken wherever it is given, before or after the command (argparse knows it only before).
+    argv = [argument for argument in argv if argument != "--debug"]
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
@@ -285,6 +326,22 @@ def _profiles(args):
     return load_profiles(args.profiles)
 
 
+def _check_ranks(plan, local, world_size: int) -> None:
+    """Refuse more ranks than this machine can hold before any starts: torchrun runs them all here, one
+    GPU each with NCCL, or one process each on the CPU (gloo), where past a few per core they only queue."""
+    if world_size == 1 or not any(cell.world_size > 1 for cell in plan.measured):
+        return
+    if local.vendor == "cpu":
+        most, what = max(8, 4 * (os.cpu_count() or 1)), f"{os.cpu_count()} CPU cores"
+    else:
+        import torch
+
+        most, what = torch.cuda.device_count(), "GPUs (one per rank)"
+    if world_size > most:
+        raise UsageError(f"--world-size {world_size}: this machine runs at most {most} ranks ({what}); "
+                         f"project more GPUs instead: headroom project --dp {world_size} ...")
+
+
 def cmd_run(args) -> int:
     from rich.console import Console
 
@@ -313,6 +370,7 @@ def cmd_run(args) -> int:
                     stacks=args.technique, modes=args.mode, scale=args.scale, sizes=args.size,
                     batch_size=args.batch_size, profiles=profiles, require_device=args.require_device,
                     prompt_len=args.prompt_len, gen_len=args.gen_len, world_size=args.world_size)
+    _check_ranks(plan, local, args.world_size)
     if args.shard:
         from harness.plan import parse_shard, shard
 

@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     advise.add_argument("--gpu", required=True, help="one GPU profile id")
     advise.add_argument("--mode", default="train", choices=("train", "infer"))
     advise.add_argument("--technique", default="baseline", metavar="STACK", help="the stack you run now")
-    advise.add_argument("--batch-size", type=_count, default=None)
+    advise.add_argument("--batch-size", type=_count, default=None, help="samples per step (default: the size's own)")
 
 
 def cmd_advise(args) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from harness.cli import UsageError, _count, _folder, _profiles, printable
+from harness.cli import UsageError, _count, _folder, _profiles, guard_output, printable
 
 
 def add_parser(sub) -> None:
@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     frag.add_argument("--gpu", default=None, help="profile id whose capacity the projected probe uses (default: the "
                                                   "local GPU, else h100-sxm)")
     frag.add_argument("--size", default="gpt2-124m", help="gpt size of the variable-length loop (default gpt2-124m)")
-    frag.add_argument("--batch-size", type=_count, default=8)
+    frag.add_argument("--batch-size", type=_count, default=8, help="the loop's batch (default 8)")
     frag.add_argument("--measure", action="store_true", help="also run both scenarios on this machine's CUDA device, "
                                                              "one process per allocator setting")
     frag.add_argument("--out", type=_folder, default=None, metavar="FILE.csv",
@@ -74,6 +74,8 @@ def cmd_fragmentation(args) -> int:
     from harness.fragmentation import judge_c4
     from harness.profiles import detect_local
 
+    if args.out:
+        guard_output(args.out, own="fragmentation.csv")
     profiles = _profiles(args)
     local = detect_local(profiles)
     gpu = args.gpu or (local.id if local.vendor != "cpu" else "h100-sxm")

@@ -22,10 +22,12 @@ def add_parser(sub) -> None:
     _add_user_model_flags(project)
     project.add_argument("--size", default=None, help="size id (default: the workload's canonical size)")
     project.add_argument("--gpu", required=True, help="profile id or family (every variant of it)")
-    project.add_argument("--technique", default="baseline", metavar="STACK")
+    project.add_argument("--technique", default="baseline", metavar="STACK",
+                         help="a technique stack such as amp-bf16+checkpointing (default: baseline)")
     project.add_argument("--mode", default="train", help="train or infer")
     batch = project.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=_count, default=None)
+    batch.add_argument("--batch-size", type=_count, default=None,
+                       help="samples per step (default: the size's own; the global batch under --dp)")
     batch.add_argument("--max-batch", action="store_true", help="solve for the largest batch that fits")
     project.add_argument("--max-context", action="store_true",
                        help="serving (--mode infer, gpt): solve for the longest prompt that fits at --batch-size")
@@ -35,7 +37,8 @@ def add_parser(sub) -> None:
                          help="instead: the largest size of --workload that fits --gpu at its smallest batch")
     ranks = project.add_mutually_exclusive_group()
     ranks.add_argument("--dp", type=_count, default=None, metavar="N",
-                       help="GPUs a data-parallel or sharded stack runs on (the global batch: N x the size's batch)")
+                       help="GPUs a data-parallel or sharded stack runs on (the global batch: N x the size's batch, "
+                            "or --batch-size where given)")
     ranks.add_argument("--min-gpus", action="store_true",
                        help="the fewest GPUs on which a parallel stack fits (data-parallel groups of 1, 2, 4, ... "
                             "of --tp x --pp GPUs)")
@@ -46,7 +49,8 @@ def add_parser(sub) -> None:
                               "schedule=gpipe as technique options)")
     project.add_argument("--ep", type=_count, default=None, metavar="N",
                          help="expert-parallel ranks (the stack's expert-parallel:e=N; a MoE size: mixtral-8x7b)")
-    project.add_argument("--format", choices=("table", "json"), default="table")
+    project.add_argument("--format", choices=("table", "json"), default="table",
+                         help="table (default) or json, one line per answer")
 
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from harness.cli import UsageError, printable
+from harness.cli import UsageError, guard_output, printable
 
 
 def cmd_report(args) -> int:
@@ -19,6 +19,7 @@ def cmd_report(args) -> int:
         raise UsageError(f"--compare takes exactly two results, OLD and NEW (got {len(args.results)})")
     if args.compare and args.serve_matrix:
         raise UsageError("--serve-matrix draws a serving matrix in a report; --compare does not use it")
+    guard_output(args.out)
     out = args.out.resolve()
     for path in args.results:
         given = path.resolve()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from harness.cli import UsageError, _count, _csv, _folder, _profiles, printable
+from harness.cli import UsageError, _count, _csv, _folder, _profiles, guard_output, printable
 
 
 def add_parser(sub) -> None:
@@ -39,6 +39,8 @@ def cmd_serve_matrix(args) -> int:
     from harness.profiles import resolve_gpus
     from harness.serve_matrix import C1_GPU, DEFAULT_GEN_LEN, MatrixRequest, judge_c1, serve_matrix
 
+    if args.out:
+        guard_output(args.out, own="serve_matrix.csv")
     profiles = _profiles(args)
     gpus = resolve_gpus(args.gpu, profiles) if args.gpu else [p for p in profiles.values() if p.vendor != "cpu"]
     options = {key: value for key, value in (("sizes", tuple(args.size or ()) or None),

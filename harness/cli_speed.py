@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.cli import printable
+from harness.cli import guard_output, printable
 from harness.profiles import load_profiles
 
 
@@ -18,6 +18,7 @@ def cmd_calibrate(args) -> int:
     from harness.calibrate import calibrate, write_overlay
     from harness.profiles import detect_local
 
+    guard_output(args.out, folder=True)
     profile = detect_local(load_profiles(args.profiles))
     device = torch.device("cpu" if profile.vendor == "cpu" else "cuda")
     started = time.perf_counter()
@@ -52,6 +53,8 @@ def cmd_ledger(args) -> int:
     if args.ledger_command == "show":
         return _show_ledger(read_ledger(LEDGER_FILE))
     target = args.ledger or LEDGER_FILE
+    if args.ledger:
+        guard_output(target, own="ledger.csv", flag="--ledger")
     ledger = read_ledger(target)
     profiles = load_profiles(args.profiles)
     incoming = [pairs_from(path, profiles) for path in args.results]

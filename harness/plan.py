@@ -121,6 +121,9 @@ def plan_run(local: GpuProfile, gpus: list[GpuProfile] | None = None, workloads:
         return [dataclasses.replace(c, world_size=world_size) if parse_stack(c.technique).parallel else c
                 for c in cells]
 
+    if world_size > 1 and measured and not any(c.world_size > 1 for c in on_ranks(measured)):
+        raise ValueError(f"--world-size {world_size} runs parallel stacks (data-parallel, fsdp, tensor-parallel...) "
+                         "on that many ranks, and no --technique asked for is one: add one, or drop --world-size")
     measured = on_ranks(measured)
     projected = [dataclasses.replace(c, source="projected") for c in measured]
     projected_scales = DAY_ONE_SCALES if day_one else (scale or DEFAULT_PROJECTED_SCALE,)

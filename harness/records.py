@@ -33,6 +33,8 @@ SCHEMA_VERSION = 12
 DEFAULT_NOISE_THRESHOLD = 0.05
 STATUSES = ("ok", "oom", "unsupported", "error", "timeout")
 LOCK_NAME = ".headroom.lock"  # in a results folder: held by the run writing it
+# What a run writes into its folder: found without cells/, they belong to something this run must not clobber.
+FOREIGN_GUARDED = ("results.parquet", "results.csv", "report.html")
 SOURCES = ("measured", "projected")
 
 
@@ -309,6 +311,11 @@ class ResultsStore:
         frame under another id), and `resume` is refused where there is nothing to resume."""
         if resume and not self.cells_dir.is_dir():
             raise ValueError(f"--resume: {self.root} holds no earlier run (no cells/ folder)")
+        # Results or a report without cells (copied in, or another tool's): this run would overwrite them.
+        foreign = [name for name in FOREIGN_GUARDED if (self.root / name).exists()]
+        if foreign and not self.cells_dir.is_dir():
+            raise ValueError(f"{self.root} already holds {', '.join(foreign)} but no run of its cells: "
+                             "choose another --out (nothing there was changed)")
         self.prepare()
         self._lock()  # before reading what is there: a run that started meanwhile holds it
         earlier = len(list(self.cells_dir.glob("*.json")))

@@ -431,3 +431,59 @@ def test_an_interrupt_during_an_in_process_trace_waits_for_the_trace_to_end():
     assert finished == ["trace"]
     with pytest.raises(KeyboardInterrupt):
         runner.interrupt(15, None)  # outside a trace it takes effect at once
+
+
+def _results_folder(path: Path) -> Path:
+    store = ResultsStore(path)
+    store.prepare()
+    store.add(Record(run_id="r", workload="gpt", size="smoke", mode="train", technique="baseline", gpu="cpu",
+                     source="measured", status="ok", cell_id="c"))
+    store.write_frame()
+    (path / "ledger.csv").write_text("kept\n")
+    return path
+
+
+def test_outputs_never_overwrite_a_results_folders_own_files(tmp_path, capsys):
+    run, other = _results_folder(tmp_path / "run"), _results_folder(tmp_path / "other")
+    kept = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    refused = [
+        ["report", str(run), "--out", str(other / "results.parquet")],
+        ["report", str(run), "--out", str(other / "ledger.csv"), "--format", "md"],
+        ["report", str(run), "--out", str(other / "cells" / "x.json")],
+        ["report", str(run), "--out", str(other)],  # a folder
+        ["serve-matrix", "--size", "gpt-7b", "--gpu", "t4", "--out", str(other / "results.csv")],
+        ["fragmentation", "--out", str(other / "accuracy.csv")],
+        ["ledger", "add", str(run), "--ledger", str(other / "results.csv")],
+        ["ledger", "add", str(run), "--ledger", str(tmp_path)],
+    ]
+    for argv in refused:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ("choose another" in err or "give a file name" in err), (argv, err)
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == kept  # nothing lost
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv in (["serve-matrix", "--size", "gpt-7b", "--gpu", "t4", "--out", str(afile / "m.csv")],
+                 ["calibrate", "--quick", "--out", str(afile)]):
+        assert main(argv) == 2, argv  # refused before the work, not after it
+        assert "choose another --out" in capsys.readouterr().err
+
+
+def test_a_run_does_not_overwrite_results_it_did_not_write(tmp_path, capsys):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "results.csv").write_text("mine\n")
+    (foreign / "report.html").write_text("mine")
+    assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline", "--mode", "infer",
+                 "--out", str(foreign), "--no-accuracy"]) == 2
+    assert "already holds results.csv, report.html but no run" in capsys.readouterr().err
+    assert (foreign / "results.csv").read_text() == "mine\n" and not (foreign / "cells").exists()
+
+
+def test_a_world_size_is_refused_before_any_rank_starts_where_it_cannot_run(tmp_path, capsys):
+    common = ["run", "--gpu", "cpu", "--workload", "gpt", "--mode", "train", "--no-accuracy"]
+    assert main([*common, "--technique", "baseline", "--world-size", "2", "--out", str(tmp_path / "a")]) == 2
+    assert "no --technique asked for is one" in capsys.readouterr().err
+    assert main([*common, "--technique", "data-parallel", "--world-size", "100000", "--out", str(tmp_path / "b")]) == 2
+    assert "this machine runs at most" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before the folder was made

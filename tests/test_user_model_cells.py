@@ -87,3 +87,17 @@ def test_dynamic_sparsity_is_offered_to_transformers_that_declare_no_roles(confi
                  "--technique", "dynamic-sparsity", "--format", "json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["status"] == "ok", row["reason"]
+
+
+def test_a_search_over_a_model_that_fails_to_trace_answers_in_a_row_not_a_traceback(capsys):
+    bad = "tests.user_models:loss_reads_a_missing_key"
+    assert main(["project", "--model", bad, "--gpu", "l4", "--max-batch", "--format", "json"]) == 1
+    row = json.loads(capsys.readouterr().out)
+    assert row["status"] == "error" and "KeyError" in row["reason"] and "--max-batch: the search failed" in row["notes"]
+    assert main(["project", "--model", bad, "--gpu", "l4", "--largest-model"]) == 0
+    assert "projection failed: KeyError" in capsys.readouterr().out
+
+
+def test_debug_is_taken_after_the_command_too(capsys):
+    assert main(["workloads", "--debug"]) == 0
+    assert "gpt" in capsys.readouterr().out

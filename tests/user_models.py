@@ -109,3 +109,9 @@ class ValueBranching(nn.Module):
 def value_branching():
     example = {"x": torch.randn(4, 16), "labels": torch.randint(0, 4, (4,))}
     return ValueBranching(), example, lambda m, b: F.cross_entropy(m(b["x"]), b["labels"])
+
+
+def loss_reads_a_missing_key():
+    """A factory whose loss reads a key its example lacks: every trace of it fails."""
+    example = {"x": torch.randn(4, 16)}
+    return nn.Linear(16, 4), example, lambda m, b: m(b["y"]).sum()

@@ -184,6 +184,8 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
                 batch = max_batch(cell, step=batch_step(cell.stack), smallest=least) or least
             except Unsupported:
                 pass  # raised by the stack at this size: the row reports it
+            except Exception as exc:  # a model that fails to trace (a user's): its row below says how
+                notes.append(f"--max-batch: the search failed ({type(exc).__name__}: {exc}); batch {least} shown")
             if batch >= MAX_BATCH_LIMIT:
                 notes.append(f"--max-batch stopped at its search limit {MAX_BATCH_LIMIT}: a larger batch may fit")
             cell = cell.with_batch(batch)

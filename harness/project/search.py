@@ -173,6 +173,8 @@ def largest_model(cell: ResolvedCell) -> LargestModel:
             fits = fits_at(cell.with_spec(spec).with_batch(batch))
         except Unsupported as exc:
             return LargestModel(best, batch, f"{spec.name} unsupported: {exc}")
+        except Exception as exc:  # a model that fails to trace (a user's): the answer says so, not a traceback
+            return LargestModel(best, batch, f"{spec.name}: projection failed: {type(exc).__name__}: {exc}")
         if not fits:
             return LargestModel(best, batch, "" if best else f"even {spec.name} does not fit")
         best = spec.name
