@@ -118,6 +118,13 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
                          + ", ".join(p.id for p in chosen))
     profile = chosen[0]
     capacity = profile.per_device().capacity_bytes
+    if profile.vendor == "cpu" or not capacity:
+        raise ValueError(f"advise fits a model in a GPU's memory; {profile.id} has no memory size: pick a GPU profile")
+    from suites.techniques import parse_stack
+
+    if parse_stack(request.technique).parallel:
+        raise ValueError(f"advise answers for one GPU; {request.technique} runs on several: headroom project "
+                         f"--technique {request.technique} --gpu {profile.id} --min-gpus counts how many it needs")
     request = dataclasses.replace(request, gpu=profile.id)
 
     def project(**changes):

@@ -32,6 +32,8 @@ COLUMNS = ["ledger_version", "pair_id", "workload", "size", "mode", "technique",
            "measured_peak_reserved_bytes", "projected_peak_reserved_bytes", "measured_peak_allocated_bytes",
            "projected_peak_allocated_bytes", "step_time_noisy", "device_name", "driver_version", "torch_version",
            "headroom_version", "measured_at", "projected_by", "origin"]
+NUMERIC_COLUMNS = ["batch_size", "measured_step_ms", "projected_step_ms", "measured_peak_reserved_bytes",
+                   "projected_peak_reserved_bytes", "measured_peak_allocated_bytes", "projected_peak_allocated_bytes"]
 # A kind needs this many cells before its own spread is trusted; else the next broader kind is used.
 MIN_PAIRS = 3
 # With no pair at all, the interval spans this factor either side of the projection.
@@ -86,11 +88,22 @@ def pairs_from(path: Path, profiles: dict) -> pd.DataFrame:
     path = Path(path)
     if path.is_dir() and (path / LEDGER_NAME).exists() and not (path / "results.parquet").exists():
         path = path / LEDGER_NAME
-    if path.suffix == ".csv" and path.exists() and "pair_id" in pd.read_csv(path, nrows=0).columns:
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or a device would block
+        raise ValueError(f"{path}: not a regular file (a FIFO, a device); give a ledger, results file or folder")
+    if path.suffix == ".csv" and path.is_file() and "pair_id" in _header(path):
         return read_ledger(path)
     from harness.records import read_results
 
     return pairs_from_frame(read_results(path), profiles, origin=str(path))
+
+
+def _header(path: Path) -> list[str]:
+    """A CSV file's column names; ValueError naming the file where it cannot be read as text."""
+    try:
+        return list(pd.read_csv(path, nrows=0).columns)
+    except (UnicodeDecodeError, ValueError, OSError) as exc:
+        raise ValueError(f"{path}: not a readable CSV file ({type(exc).__name__}); give a ledger or results "
+                         "file") from None
 
 
 def read_ledger(path: Path = LEDGER_FILE) -> pd.DataFrame:
@@ -105,6 +118,12 @@ def read_ledger(path: Path = LEDGER_FILE) -> pd.DataFrame:
     newer = pd.to_numeric(frame["ledger_version"], errors="coerce").fillna(0) > LEDGER_VERSION
     if newer.any():
         raise ValueError(f"{path}: ledger version newer than this headroom's {LEDGER_VERSION}; upgrade headroom")
+    for column in NUMERIC_COLUMNS:  # a figure that is not a number would fail every interval built on it, later
+        bad = pd.to_numeric(frame[column], errors="coerce").isna() & frame[column].notna()
+        if bad.any():
+            row = int(bad.to_numpy().nonzero()[0][0])
+            raise ValueError(f"{path}: column {column}, row {row + 2}: {str(frame[column].iloc[row])[:40]!r} is not "
+                             "a number; mend or remove that row")
     return frame[COLUMNS]
 
 

@@ -73,6 +73,8 @@ def read_prices(path: Path, profiles: dict[str, GpuProfile]) -> dict[str, Price]
     profile id, each the GPU's price as rented (a whole MI250X package). Every problem is one line
     naming the file, the row and what to write instead."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO or a device would block, or never end
+        raise ValueError(f"--prices {path}: not a regular file (a FIFO, a device or a folder); give a CSV file")
     try:
         with path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: a spreadsheet's byte-order mark
             reader = csv.DictReader(handle)

@@ -390,6 +390,8 @@ def read_results(path: Path) -> pd.DataFrame:
         path = path / "results.parquet"
     if not path.exists():
         raise ValueError(f"{path}: no such results file")
+    if not path.is_file():  # a FIFO or a device would block, or never end
+        raise ValueError(f"{path}: not a regular file (a FIFO, a device or a folder); give a results file")
     try:
         if path.suffix == ".parquet":
             frame = pd.read_parquet(path)

@@ -97,3 +97,14 @@ def test_gpus_without_bf16_are_advised_fp16_stacks():
     assert "amp-fp16+checkpointing" in t4 and not any("bf16" in stack for stack in t4)
     assert "fp16-weights+group-quant-int4" in advise.candidate_stacks("infer", profiles["v100-sxm2-32gb"])
     assert advise.candidate_stacks("train", profiles["a10"]) == list(advise.TRAIN_STACKS)
+
+
+def test_advise_refuses_what_it_cannot_answer_with_the_command_that_can(capsys):
+    from harness.cli import main
+
+    assert main(["advise", "--gpu", "cpu", "--size", "smoke"]) == 2
+    err = capsys.readouterr().err
+    assert "cpu has no memory size: pick a GPU profile" in err and "--max-batch" not in err
+    assert main(["advise", "--gpu", "l4", "--technique", "tensor-parallel", "--size", "gpt2-124m"]) == 2
+    err = capsys.readouterr().err
+    assert "--min-gpus counts how many" in err and "--dp N" not in err and "projecting" not in err

@@ -487,3 +487,24 @@ def test_a_world_size_is_refused_before_any_rank_starts_where_it_cannot_run(tmp_
     assert main([*common, "--technique", "data-parallel", "--world-size", "100000", "--out", str(tmp_path / "b")]) == 2
     assert "this machine runs at most" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before the folder was made
+
+
+def test_inputs_that_would_block_or_are_not_what_they_claim_are_named_in_one_line(tmp_path, capsys):
+    fifo = tmp_path / "fifo.csv"
+    os.mkfifo(fifo)
+    run = _results_folder(tmp_path / "run")
+    for argv in (["report", str(fifo), "--out", str(tmp_path / "r.html")],
+                 ["report", str(run), "--prices", str(fifo), "--out", str(tmp_path / "r.html")],
+                 ["ledger", "add", str(fifo), "--ledger", str(tmp_path / "l.csv")]):
+        assert main(argv) == 2, argv  # refused, not blocked
+        assert "not a regular file" in capsys.readouterr().err
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert main(["ledger", "add", str(binary), "--ledger", str(tmp_path / "l.csv")]) == 2
+    assert f"{binary}: not a readable CSV file" in capsys.readouterr().err
+    from harness.ledger import COLUMNS, read_ledger
+
+    broken = tmp_path / "ledger.csv"
+    pd.DataFrame([{c: 1 for c in COLUMNS} | {"measured_step_ms": "abc"}]).to_csv(broken, index=False)
+    with pytest.raises(ValueError, match="column measured_step_ms, row 2: 'abc' is not a number"):
+        read_ledger(broken)
