@@ -356,6 +356,8 @@ def cmd_run(args) -> int:
 
         if importlib.util.find_spec("tensorboard") is None:
             raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard (nox installs it)")
+    if args.resume and not args.out:
+        raise UsageError("--resume continues the run in a results folder: give it with --out results/<run-id>")
     if args.retry_failed and not args.resume:
         raise UsageError("--retry-failed reruns the failed cells of an earlier run: give it with --resume")
     console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)

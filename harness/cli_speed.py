@@ -25,7 +25,7 @@ def cmd_calibrate(args) -> int:
     print(f"calibrating {profile.id} on {device} ({'quick' if args.quick else 'full'} sweep)", file=sys.stderr)
     result = calibrate(profile, device, quick=args.quick, progress=lambda line: print("  " + line, file=sys.stderr))
     path = write_overlay(result, args.out)
-    rates = ", ".join(f"{k} {v / 1e12:,.1f}" for k, v in result.achievable_flops.items())
+    rates = ", ".join(f"{k} {v / 1e12:,.3g}" for k, v in result.achievable_flops.items())  # a CPU's are < 0.1
     print(f"{profile.id}: matmul TFLOP/s {rates}; copy {result.bandwidth_bytes_s / 1e9:,.1f} GB/s; "
           f"issue {result.issue_s * 1e6:.1f} us/op" + (f"; kernel floor {result.kernel_s * 1e6:.2f} us"
                                                       if result.kernel_s else ""))

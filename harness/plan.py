@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from harness.cell import MODES, Cell
-from harness.profiles import GpuProfile
+from harness.profiles import GpuProfile, unknown_name
 from suites.techniques import parse_stack, stack_names
 from suites.workloads import WORKLOADS, get_workload
 from suites.workloads.base import SCALES
@@ -48,8 +48,7 @@ def expand(workloads: list[str], stacks: list[str], gpus: list[GpuProfile], mode
         known = {s for w in loaded for s in w.sizes}
         for size in sizes:
             if size not in known:
-                valid = ", ".join(sorted(known))
-                raise ValueError(f"unknown size {size!r} for workloads {', '.join(workloads)} (valid: {valid})")
+                raise ValueError(unknown_name("size", size, sorted(known)) + f" for workloads {', '.join(workloads)}")
     served = prompt_len is not None or gen_len is not None
     if served and ("infer" not in modes or not any(w.serving for w in loaded)):
         raise ValueError("--prompt-len and --gen-len set the generation of a served decoder: they need --mode infer "

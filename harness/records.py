@@ -387,7 +387,11 @@ def read_results(path: Path) -> pd.DataFrame:
     """Load a results file (.parquet or .csv, or a folder holding results.parquet) and check its schema."""
     path = Path(path)
     if path.is_dir():
-        path = path / "results.parquet"
+        found = [path / name for name in ("results.parquet", "results.csv") if (path / name).exists()]
+        if not found:
+            raise ValueError(f"{path}: holds no results.parquet or results.csv (run headroom run --out {path}, "
+                             "or give a results file)")
+        path = found[0]  # the Parquet file where both are, as the run writes them together
     if not path.exists():
         raise ValueError(f"{path}: no such results file")
     if not path.is_file():  # a FIFO or a device would block, or never end

@@ -81,6 +81,9 @@ def test_report_merges_results(small_run, tmp_path, capsys):
     (["run", "--gpu", "a100", "--require-device"], "--require-device: no a100-pcie-40gb"),
     (["run", "--scale", "huge"], "unknown scale 'huge'"),
     (["run", "--size", "gpt2-9b"], "unknown size 'gpt2-9b'"),
+    (["run", "--size", "gpt2-125m"], "unknown size 'gpt2-125m'; did you mean gpt2-124m"),
+    (["project", "--size", "gpt2-125m", "--gpu", "t4"], "unknown size 'gpt2-125m' for workload 'gpt'; did you mean "
+                                                        "'gpt2-124m'?"),
     (["run", "--mode", "serve"], "unknown mode 'serve'"),
     (["run", "--steps", "3"], "at least 10"),
     (["run", "--out", "/proc/headroom"], "not writable"),

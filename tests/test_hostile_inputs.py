@@ -508,3 +508,16 @@ def test_inputs_that_would_block_or_are_not_what_they_claim_are_named_in_one_lin
     pd.DataFrame([{c: 1 for c in COLUMNS} | {"measured_step_ms": "abc"}]).to_csv(broken, index=False)
     with pytest.raises(ValueError, match="column measured_step_ms, row 2: 'abc' is not a number"):
         read_ledger(broken)
+
+
+def test_a_results_folder_is_read_from_its_csv_and_an_empty_one_says_what_to_do(tmp_path, capsys):
+    from harness.records import read_results
+
+    run = _results_folder(tmp_path / "run")
+    (run / "results.parquet").unlink()
+    assert len(read_results(run)) == 1  # the CSV the run wrote beside it
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no results.parquet or results.csv"):
+        read_results(tmp_path / "empty")
+    assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--resume"]) == 2
+    assert "give it with --out results/<run-id>" in capsys.readouterr().err

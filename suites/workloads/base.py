@@ -197,8 +197,12 @@ class Workload:
         try:
             return self.sizes[name]
         except KeyError:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(self.sizes), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             valid = ", ".join(self.sizes)
-            raise ValueError(f"unknown size {name!r} for workload {self.name!r}; valid: {valid}") from None
+            raise ValueError(f"unknown size {name!r} for workload {self.name!r}{hint}; valid: {valid}") from None
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """Every repeated block of `model`, in order: its `block_lists` containers flattened (what FSDP
