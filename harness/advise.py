@@ -52,9 +52,15 @@ def row_memory_left(row, capacity) -> float | None:
 
 
 def row_memory_left_worst(row, capacity) -> float | None:
-    """Bytes left at the high end of a projected row's reserved-memory interval (harness/ledger.py), None
-    where it has none (a measured row, or no interval): below zero, a cell projected to fit may not."""
-    return memory_left(row.get("peak_reserved_high_bytes"), row.get("device_overhead_bytes"), capacity)
+    """Bytes left at the high end of a projected row's reserved-memory interval (harness/ledger.py): what
+    `row_memory_left` leaves, less the interval's reach above the projected reserved figure; None where
+    either is unknown (a measured row has no interval). Below zero, a cell projected to fit may not."""
+    left = row_memory_left(row, capacity)
+    high, reserved = (pd.to_numeric(row.get(k), errors="coerce") for k in ("peak_reserved_high_bytes",
+                                                                           "peak_reserved_bytes"))
+    if left is None or pd.isna(high) or pd.isna(reserved):
+        return None
+    return left - max(0.0, float(high) - float(reserved))
 
 
 def gib(value: float, signed: bool = False) -> str:

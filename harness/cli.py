@@ -133,7 +133,8 @@ def guard_output(path: Path, own: str | None = None, flag: str = "--out", folder
     if folder:
         return
     holds_run = path.parent.is_dir() and any((path.parent / name).exists() for name in (*RUN_FILES, "cells"))
-    if (path.name in RUN_FILES and path.name != own and holds_run) or path.parent.name == "cells":
+    in_cells = path.parent.name == "cells" and any((path.parent.parent / name).exists() for name in RUN_FILES)
+    if (path.name in RUN_FILES and path.name != own and holds_run) or in_cells:
         raise UsageError(f"{flag} {printable(str(path))} would overwrite a results folder's own file; "
                          f"choose another {flag}")
 

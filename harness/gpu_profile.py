@@ -5,6 +5,7 @@ TOML files that hold them is `harness.profiles`' job."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,18 @@ SAFE_ID = re.compile(r"[a-z0-9][a-z0-9._-]*")
 # (reference/gpu_specs.md, procurement note) and would reorder the cost rankings if mixed in.
 PRICE_BASIS = "on-demand"
 PRICE_DATE = re.compile(r"\d{4}(-\d{2}(-\d{2})?)?")
+
+
+def price_day(text: str) -> datetime.date | None:
+    """A price's date (YYYY, YYYY-MM or YYYY-MM-DD; a missing month or day counts as the first) as a
+    day, None where it is not one (a shape PRICE_DATE refuses, or a month 13, a February 30)."""
+    if not isinstance(text, str) or not PRICE_DATE.fullmatch(text):
+        return None
+    parts = [int(part) for part in text.split("-")] + [1, 1]
+    try:
+        return datetime.date(parts[0], parts[1], parts[2])
+    except ValueError:
+        return None
 
 
 class ProfileError(ValueError):

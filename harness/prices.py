@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.profiles import PRICE_BASIS, PRICE_DATE, GpuProfile, unknown_name
+from harness.gpu_profile import price_day
+from harness.profiles import PRICE_BASIS, GpuProfile, unknown_name
 
 PRICE_COLUMNS = ("gpu", "usd_per_hour", "date", "source")
 # Hyperscaler list prices moved by 40-70% during 2025-26 (the team's GPU reference notes, from providers'
@@ -45,10 +46,8 @@ class Price:
 
 
 def price_age_days(price: Price, today: date) -> int:
-    """Days from a price's date (YYYY, YYYY-MM or YYYY-MM-DD; a missing day or month counts as the first)
-    to `today`."""
-    parts = [int(part) for part in price.date.split("-")] + [1, 1]
-    return (today - date(parts[0], parts[1], parts[2])).days
+    """Days from a price's date (validated where it was read: harness/gpu_profile.price_day) to `today`."""
+    return (today - price_day(price.date)).days
 
 
 def age_text(price: Price, today: date) -> str:
@@ -100,7 +99,7 @@ def read_prices(path: Path, profiles: dict[str, GpuProfile]) -> dict[str, Price]
         if not math.isfinite(usd) or usd <= 0:
             raise ValueError(f"{where}: usd_per_hour must be a positive number of USD, got {row['usd_per_hour']!r}")
         date, source = (row["date"] or "").strip(), (row["source"] or "").strip()
-        if not PRICE_DATE.fullmatch(date) or not source:
+        if price_day(date) is None or not source:
             raise ValueError(f"{where}: every price needs a date (YYYY, YYYY-MM or YYYY-MM-DD) and a source")
         basis = (row.get("basis") or PRICE_BASIS).strip()
         if gpu in prices:

@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from harness.gpu_profile import DTYPES, FEATURES, PRICE_BASIS, PRICE_DATE, SAFE_ID, VENDORS, GpuProfile, ProfileError
+from harness.gpu_profile import DTYPES, FEATURES, PRICE_BASIS, SAFE_ID, VENDORS, GpuProfile, ProfileError, price_day
 
 BUILTIN_PROFILES_DIR = Path(__file__).resolve().parent.parent / "gpu_profiles"
 PROFILES_ENV = "HEADROOM_PROFILES"
@@ -140,7 +140,7 @@ def parse_profile(data: dict[str, Any], path: Path) -> GpuProfile:
         for name in ("date", "source"):
             if not isinstance(price.get(name), str) or not price[name].strip():
                 raise _fail(path, f"price.{name}", "a non-empty string (prices are dated and sourced)")
-        if not PRICE_DATE.fullmatch(price["date"]):
+        if price_day(price["date"]) is None:
             raise _fail(path, "price.date", f"a date YYYY, YYYY-MM or YYYY-MM-DD, got {price['date']!r}")
         if price.get("basis") != PRICE_BASIS:
             raise _fail(path, "price.basis", f"{PRICE_BASIS!r} (every profile is priced on one basis so costs "

@@ -327,7 +327,7 @@ def _preflight(cell: ResolvedCell, options: RunnerOptions) -> str:
     if peak and peak > options.cell_memory_bytes:
         return (f"not measured: projected peak {peak / 2**30:,.1f} GiB > --cell-memory "
                 f"{options.cell_memory_bytes / 2**30:,.1f} GiB, so the cell was not started (raise --cell-memory "
-                f"to measure it)")
+                f"to measure it in a new run)")
     return ""
 
 

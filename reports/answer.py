@@ -14,6 +14,7 @@ from harness.advise import row_memory_left, row_memory_left_worst
 from harness.prices import tokens_per_sample
 from reports import format as fmt
 from reports.cells import gpu_cells
+from reports.serving import reprice_matrix
 
 IDENTITY = ["workload", "size", "mode"]
 
@@ -197,13 +198,12 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
         return []
     batch = next((c for c in matrix.columns if c.startswith("max_batch_")), None)
     rows = matrix[pd.to_numeric(matrix[batch], errors="coerce").fillna(0) >= 1].copy() if batch else matrix[:0]
-    for column in ("usd_per_hour", "usd_per_million_tokens_max", "decode_tokens_s_b1", "decode_tokens_s_max"):
+    rows = reprice_matrix(rows, prices)
+    for column in ("usd_per_million_tokens_max", "decode_tokens_s_b1", "decode_tokens_s_max"):
         if column not in rows:  # an older or hand-made matrix: that figure is unknown
             rows[column] = float("nan")
-    old = pd.to_numeric(rows["usd_per_hour"], errors="coerce").astype(float)
-    new = rows["gpu"].map(lambda g: prices[g].per_device if g in prices else float("nan")).astype(float)
-    rows["usd"] = pd.to_numeric(rows["usd_per_million_tokens_max"], errors="coerce").astype(float) * new / old
-    rows["hourly"] = new
+    rows["usd"] = pd.to_numeric(rows["usd_per_million_tokens_max"], errors="coerce").astype(float)
+    rows["hourly"] = rows["usd_per_hour"]
     rows["price"] = rows["gpu"].map(lambda g: prices[g].label if g in prices else "")
     context = batch.removeprefix("max_batch_") if batch else ""
     # `headroom serve-matrix` compiles the decode unless told --eager: the heading says which was costed.

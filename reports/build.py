@@ -162,8 +162,8 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
     prices = price_table(profiles) if prices is None else prices
     frame = _ranges(cost_rows(frame, prices) if len(frame) else frame.assign(price_label=None))
     quality = accuracy_section(accuracy)
-    matrix = reprice_matrix(matrix, prices) if matrix is not None and len(matrix) else matrix
-    serving = matrix_section(matrix, judge_matrix(matrix)) if matrix is not None else None
+    # The serving table at the report's prices, as every other cost (serving_answers reprices for itself).
+    serving = matrix_section(reprice_matrix(matrix, prices), judge_matrix(matrix)) if matrix is not None else None
     probe = fragmentation_section(fragmentation)
     claims_from = {"c1": serving["c1"] if serving else None, "c4": probe["c4"] if probe else None,
                    "c6": quality["c6"] if quality else None, "c9": quality["c9"] if quality else None}

@@ -427,7 +427,9 @@ def judge_c15(rows: pd.DataFrame) -> dict:
                      f"(median of {len(joined)} {joined['source'].iloc[0]} cells)")
         # Training is judged on speed, serving on cost per sample: `second`'s figure over `first`'s.
         ratio, gain = (cost, "better value") if mode == "infer" else (1 / speed, "faster")
-        if abs(ratio - 1) <= C15_TIE:
+        if not ratio == ratio or ratio in (0, float("inf")):  # a GPU without a price or a throughput
+            verdicts.append(f"{mode}: not measurable (no {'cost' if mode == 'infer' else 'speed'} on both GPUs)")
+        elif abs(ratio - 1) <= C15_TIE:
             verdicts.append(f"{mode}: neither (within {C15_TIE:.0%}; guide: {guide})")
         else:
             winner = first if ratio > 1 else second

@@ -461,6 +461,9 @@ def test_outputs_never_overwrite_a_results_folders_own_files(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and ("choose another" in err or "give a file name" in err), (argv, err)
     assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == kept  # nothing lost
+    # A folder of one's own that happens to be called cells is not a run's.
+    assert main(["report", str(run), "--out", str(tmp_path / "lab" / "cells" / "report.html")]) == 0
+    capsys.readouterr()
     afile = tmp_path / "afile"
     afile.write_text("x")
     for argv in (["serve-matrix", "--size", "gpt-7b", "--gpu", "t4", "--out", str(afile / "m.csv")],

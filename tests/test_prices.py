@@ -107,3 +107,14 @@ def test_a_price_over_a_year_old_is_flagged_in_the_prices_table():
               "a100-sxm4-80gb": Price("a100-sxm4-80gb", 1.75, "2024", "s")}
     ages = {row["GPU"]: row["age"] for row in price_rows(prices, profiles, frame, today)}
     assert ages == {"a10": "7 months", "a100-sxm4-80gb": "2.9 years: re-check, prices have moved since"}
+
+
+@pytest.mark.parametrize("day", ["2025-13", "2025-02-30", "2025-00"])
+def test_a_price_date_that_is_no_day_is_refused_where_it_is_read(tmp_path, day):
+    path = _prices_file(tmp_path, f"gpu,usd_per_hour,date,source\na10,0.9,{day},quote\n")
+    with pytest.raises(ValueError, match="line 2: every price needs a date"):
+        read_prices(path, load_profiles())
+    text = (BUILTIN_PROFILES_DIR / "a10.toml").read_text().replace('date = "2026-05-07"', f'date = "{day}"')
+    (tmp_path / "a10.toml").write_text(text)
+    with pytest.raises(ProfileError, match="price.date"):
+        load_profile(tmp_path / "a10.toml")

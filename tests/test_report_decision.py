@@ -90,6 +90,11 @@ def test_a_cell_that_fits_only_below_the_high_end_of_its_interval_is_marked_as_m
     [answer] = answers(frame, CAPACITIES)
     assert answer["picks"]["cheapest"]["left"].endswith("left, but may not fit: its interval reaches 512.0 MiB "
                                                         "past the memory")  # the CUDA context's 512 MiB
+    # A projection that fits only because the allocator frees its cache (reserved above the room, live bytes
+    # below it) may not fit by how far the interval reaches above reserved, not by the whole reserved figure.
+    freed = cost_rows(records_frame([dict(edge, peak_reserved_bytes=CAPACITIES["a10"],
+                                          peak_reserved_high_bytes=CAPACITIES["a10"] + 2**20)]), PRICES)
+    assert fit_matrices(freed, CAPACITIES)[0]["marginal"] == 0
     roomy = cost_rows(records_frame([dict(edge, peak_reserved_high_bytes=4 * GIB)]), PRICES)
     assert fit_matrices(roomy, CAPACITIES)[0]["marginal"] == 0
     assert answers(roomy, CAPACITIES)[0]["picks"]["cheapest"]["left"].endswith("GiB left")
@@ -333,6 +338,8 @@ def test_c14_and_c15_judge_what_the_rows_hold():
     assert c15["verdict"] == "train contradicted: h100-sxm faster (guide: A100 80GB better)"
     rows[2] = _row(gpu="h100-sxm", throughput_samples_s=20.8, usd_per_million_samples=1.5)
     assert _claims(*rows)["C15"]["verdict"] == "train: neither (within 5%; guide: A100 80GB better)"
+    rows[2] = _row(gpu="h100-sxm", throughput_samples_s=None)
+    assert _claims(*rows)["C15"]["verdict"] == "train: not measurable (no speed on both GPUs)"
 
 
 def test_a_ratio_claim_judged_on_projections_alone_says_so():

@@ -101,3 +101,6 @@ def test_a_search_over_a_model_that_fails_to_trace_answers_in_a_row_not_a_traceb
 def test_debug_is_taken_after_the_command_too(capsys):
     assert main(["workloads", "--debug"]) == 0
     assert "gpt" in capsys.readouterr().out
+    assert main(["project", "--gpu", "no-such-gpu"]) == 2  # one line without it ...
+    with pytest.raises(ValueError, match="no-such-gpu"):  # ... the traceback with it, wherever it is given
+        main(["project", "--gpu", "no-such-gpu", "--debug"])
