@@ -23,7 +23,7 @@ from harness.measure.distributed import rank_slice
 from harness.measure.generation import time_generation
 from harness.measure.memory import probe_for
 from harness.measure.nvml import NvmlSampler, open_source
-from harness.measure.tensors import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from harness.measure.tensors import gradient_bytes, holding_state, optimizer_state_bytes, parameter_bytes
 from harness.measure.timing import time_steps
 from harness.outcome import MemoryFigures, Outcome, ServingFigures, SpeedFigures, failure
 from harness.provenance import nvml_info
@@ -185,12 +185,9 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
 
 
 def _optimizer_state_started(optimizer) -> bool:
-    """Whether the optimizer has taken a step (its state exists). ZeroRedundancyOptimizer keeps the state in
-    the optimizer it wraps (`.optim`); torchao's offload optimizer has no `state` at all (taken as started)."""
-    if optimizer is None:
-        return True
-    inner = getattr(optimizer, "optim", None)
-    return bool(getattr(inner if isinstance(inner, torch.optim.Optimizer) else optimizer, "state", True))
+    """Whether the optimizer has taken a step (its state exists, where ZeRO-1 keeps it too); torchao's offload
+    optimizer has no `state` at all (taken as started)."""
+    return optimizer is None or bool(getattr(holding_state(optimizer), "state", True))
 
 
 def _communication(run: Run, one_step) -> tuple[int | None, list[str]]:

@@ -66,13 +66,17 @@ def gradient_bytes(model: nn.Module, where: str | None = None) -> int:
     return storage_bytes((p.grad for p in model.parameters() if p.grad is not None), where)
 
 
+def holding_state(optimizer):
+    """The optimizer whose `state` holds the moments: ZeRO-1's wrapper (ZeroRedundancyOptimizer) keeps this
+    rank's shard in the optimizer it wraps (`.optim`); any other holds its own."""
+    inner = getattr(optimizer, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, where: str | None = None) -> int | None:
     if optimizer is None:
         return None
-    # ZeRO-1's wrapper keeps this rank's shard of the state in the optimizer it wraps.
-    inner = getattr(optimizer, "optim", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        optimizer = inner
+    optimizer = holding_state(optimizer)
     if hasattr(optimizer, "param_d2h_map"):  # torchao's CPU offload: only its small parameters' state is here
         optimizer = optimizer.d_opt
         if optimizer is None:
