@@ -7,22 +7,28 @@ User errors (unknown names, bad files, unwritable folders) print one line and ex
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import errno
 import os
-import re
-import signal
 import sys
-import time
 from pathlib import Path
+
+from harness.cli_args import (
+    UsageError,
+    _count,
+    _csv,
+    _folder,
+    _fraction,
+    _memory_size,
+    _out_path,
+    _price,
+    _profiles,
+    _seconds,
+    printable,
+)
 
 EXIT_USAGE = 2
 EXIT_CELLS_FAILED = 1
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
-
-
-class UsageError(Exception):
-    """Bad input from the user: reported in one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,123 +36,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
-def _csv(text: str) -> list[str]:
-    """A comma-separated list of names; empty is refused (it would silently mean "nothing" or "all")."""
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("expected one or more names, got nothing")
-    return parts
-
-
-# Batches and sequence lengths beyond this are refused: tensor sizes, the records' integer columns and
-# every allocator figure derived from them stay far from overflow, and no device holds such a batch.
-MAX_COUNT = 2**31 - 1
-# A cell may take a week, no more: a larger timeout overflows the OS's timers (and means "none").
-MAX_CELL_TIMEOUT_S = 7 * 24 * 3600.0
-
-
-def _count(text: str) -> int:
-    """A positive integer no larger than MAX_COUNT."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if not 1 <= value <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"expected a positive integer up to {MAX_COUNT}, got {text}")
-    return value
-
-
-def _number(text: str, what: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-
-
-def _seconds(text: str) -> float:
-    """A finite, positive number of seconds, at most a week."""
-    value = _number(text, "seconds")
-    if not 0 < value <= MAX_CELL_TIMEOUT_S:  # also false for nan
-        raise argparse.ArgumentTypeError(f"expected seconds above 0 and at most {MAX_CELL_TIMEOUT_S:g}, got {text}")
-    return value
-
-
-_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def _memory_size(text: str) -> int:
-    """Bytes from `16G`, `512M`, `1.5T` or a plain number of bytes; at least 2 GiB (importing torch alone
-    needs about 1 GiB of data segment) and at most 1 PiB."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a size such as 16G or 512M, got {text!r}")
-    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]
-    if not 2**31 <= value <= 2**50:
-        raise argparse.ArgumentTypeError(f"expected a size from 2G to 1024T, got {text!r}")
-    return int(value)
-
-
-def _fraction(text: str) -> float:
-    """A number strictly between 0 and 1 (a coefficient of variation to flag noise at)."""
-    value = _number(text, "a number between 0 and 1")
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number strictly between 0 and 1, got {text}")
-    return value
-
-
-def _folder(text: str) -> Path:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a path, got an empty one")
-    return Path(text)
-
-
-def _out_path(text: str) -> Path:
-    """A path to write: a folder of results is written as Parquet, whose strings must be UTF-8, so a
-    name that is not (bytes a terminal passed through) is refused before any work is done."""
-    path = _folder(text)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(f"{printable(text)!r} is not valid UTF-8; choose another name") from None
-    return path
-
-
-# The files a results folder keeps (harness/records.py, ledger.py, serve_matrix.py, reports/fragmentation.py).
-RUN_FILES = ("results.parquet", "results.csv", "ledger.csv", "accuracy.csv", "fragmentation.csv", "serve_matrix.csv")
-
-
-def guard_output(path: Path, own: str | None = None, flag: str = "--out", folder: bool = False) -> None:
-    """Refuse, before any work, an output that cannot be written or a file that would overwrite a results
-    folder's own files: a run's rows, twins, accuracy, probe or matrix, or a cell file (`own`: the one file
-    name this command writes where it would be the run's own, e.g. serve_matrix.csv for serve-matrix).
-    `folder`: the output is a folder (calibrate's overlays)."""
-    if folder and path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {printable(str(path))} is a file; it names a folder: choose another {flag}")
-    if not folder and path.is_dir():
-        raise UsageError(f"{flag} {printable(str(path))} is a folder; give a file name")
-    parent = next((p for p in path.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise UsageError(f"{flag} {printable(str(path))}: {printable(str(parent))} is a file, not a folder; "
-                         f"choose another {flag}")
-    if folder:
-        return
-    holds_run = path.parent.is_dir() and any((path.parent / name).exists() for name in (*RUN_FILES, "cells"))
-    in_cells = path.parent.name == "cells" and any((path.parent.parent / name).exists() for name in RUN_FILES)
-    if (path.name in RUN_FILES and path.name != own and holds_run) or in_cells:
-        raise UsageError(f"{flag} {printable(str(path))} would overwrite a results folder's own file; "
-                         f"choose another {flag}")
-
-
-def _price(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a price in USD such as 0.15, got {text!r}") from None
-    if not 0 < value < 1e3 or value != value:
-        raise argparse.ArgumentTypeError(f"expected a positive price below 1000 USD, got {text!r}")
-    return value
 
 
 def _add_generation_flags(parser) -> None:
@@ -315,144 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def printable(text: str) -> str:
-    """`text` with control characters escaped (`\\x1b`): a path or name from the user is printed as what
-    it is, and an escape sequence in it cannot redraw the terminal."""
-    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
-
-
-def _profiles(args):
-    from harness.profiles import load_profiles
-
-    return load_profiles(args.profiles)
-
-
-def _check_ranks(plan, local, world_size: int) -> None:
-    """Refuse more ranks than this machine can hold before any starts: torchrun runs them all here, one
-    GPU each with NCCL, or one process each on the CPU (gloo), where past a few per core they only queue."""
-    if world_size == 1 or not any(cell.world_size > 1 for cell in plan.measured):
-        return
-    if local.vendor == "cpu":
-        most, what = max(8, 4 * (os.cpu_count() or 1)), f"{os.cpu_count()} CPU cores"
-    else:
-        import torch
-
-        most, what = torch.cuda.device_count(), "GPUs (one per rank)"
-    if world_size > most:
-        raise UsageError(f"--world-size {world_size}: this machine runs at most {most} ranks ({what}); "
-                         f"project more GPUs instead: headroom project --dp {world_size} ...")
-
-
-def cmd_run(args) -> int:
-    from rich.console import Console
-
-    from harness.measure.local import MeasureSettings
-    from harness.plan import plan_run
-    from harness.profiles import detect_local, resolve_gpus
-    from harness.records import DEFAULT_NOISE_THRESHOLD, ResultsStore, new_run_id
-    from harness.runner import DEFAULT_CELL_TIMEOUT_S, RunnerOptions, default_cell_memory, interrupt, run_plan
-
-    if args.tensorboard:
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard (nox installs it)")
-    if args.resume and not args.out:
-        raise UsageError("--resume continues the run in a results folder: give it with --out results/<run-id>")
-    if args.retry_failed and not args.resume:
-        raise UsageError("--retry-failed reruns the failed cells of an earlier run: give it with --resume")
-    console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
-    profiles = _profiles(args)
-    local = detect_local(profiles)
-    gpus = resolve_gpus(args.gpu, profiles) if args.gpu else None
-    settings = MeasureSettings(warmup=args.warmup, steps=args.steps, repeats=args.repeats,
-                               noise_threshold=args.noise_threshold or DEFAULT_NOISE_THRESHOLD,
-                               memory_timeline=args.memory_timeline, profile=args.profile, usd_per_kwh=args.usd_per_kwh,
-                               tensorboard_dir=str(args.tensorboard.resolve()) if args.tensorboard else None)
-    plan = plan_run(local, gpus, workloads=(args.workload or []) + _user_workloads(args) or None,
-                    stacks=args.technique, modes=args.mode, scale=args.scale, sizes=args.size,
-                    batch_size=args.batch_size, profiles=profiles, require_device=args.require_device,
-                    prompt_len=args.prompt_len, gen_len=args.gen_len, world_size=args.world_size)
-    _check_ranks(plan, local, args.world_size)
-    if args.shard:
-        from harness.plan import parse_shard, shard
-
-        whole, plan = plan, shard(plan, *parse_shard(args.shard))
-    else:
-        whole = plan
-    measured, projected, foreign, cells = plan.measured, plan.projected, plan.foreign, plan.cells
-    run_id = new_run_id()
-    store = ResultsStore(args.out or Path("results") / run_id)
-    run_id = store.open(run_id, resume=args.resume)
-    out = store.root
-    options = RunnerOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
-                            settings=dataclasses.replace(settings, artifacts_dir=str(out.resolve())),
-                            profiles_dir=args.profiles,
-                            cell_memory_bytes=args.cell_memory or default_cell_memory())
-    console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), "
-                  f"scale {plan.scale}; {len(projected)} projected cells" + (f" (scale {plan.projected_scale} "
-                                                                              "for other GPUs)"
-                                                         if foreign else "") + f" -> {printable(str(out))}")
-    if foreign:
-        console.print(f"PROJECTED: {', '.join(g.id for g in foreign)} not on this machine (local device: {local.id}); "
-                      f"their figures are projected from traces, not measured")
-    started = time.perf_counter()
-
-    def progress(index, total, cell, record):
-        elapsed = time.perf_counter() - started
-        if record is None:
-            console.print(f"[{index}/{total}] {cell.describe()}: already recorded, skipped")
-            return
-        detail = record.reason
-        if record.status == "ok":
-            speed = (f"p50 {record.step_time_ms_p50:.2f} ms, {record.throughput_samples_s:.1f} samples/s, "
-                     if record.step_time_ms_p50 is not None else "")
-            detail = (speed + f"peak {record.peak_allocated_bytes / 2**20:.1f} MiB"
-                      + (f", NOISY (cv {record.step_time_cv or 0:.1%}, mean {record.step_time_ms_mean:.2f} ms)"
-                         if record.noisy else ""))
-        console.print(f"[{index}/{total} {elapsed:5.0f}s] {cell.describe()}: {record.status}  {detail}")
-
-    # SIGTERM and SIGHUP end the run as Ctrl-C does: finished cells stay saved and --resume goes on (the
-    # runner defers them while it traces in-process, where an exception inside autograd would abort).
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        signal.signal(getattr(signal, name), interrupt)
-    records = run_plan(cells, profiles, store, options, on_done=progress, resume=args.resume,
-                       retry_failed=args.retry_failed)
-    from harness.cli_accuracy import accuracy_stage
-
-    accuracy = accuracy_stage(args, whole, local, store, console)  # the whole plan's stacks (shard 1 measures)
-    frame = store.write_frame()
-    from harness.cli_speed import write_run_ledger
-
-    write_run_ledger(frame, profiles, out, console)
-    matrix = None
-    if args.serve_matrix or plan.day_one:
-        from harness.cli_serving import run_matrix
-
-        matrix = run_matrix(plan, profiles, out, console, full=args.serve_matrix)
-    fragmentation = None
-    if plan.day_one:  # a first run judges every claim it can: C4 needs the probe
-        from harness.cli_fragmentation import run_probe
-
-        fragmentation = run_probe(plan, profiles, out, console)
-    if not args.no_report:
-        try:
-            from reports.build import write_report
-            from reports.timelines import timeline_files
-
-            write_report([frame], out / "report.html", matrix, timeline_files([out]), fragmentation, accuracy=accuracy)
-        except Exception as exc:  # the rows are saved; a report problem (a checkout updated mid-run) must not hide that
-            console.print(f"headroom: report.html not written ({type(exc).__name__}: {str(exc)[:200]}); "
-                          f"the results are saved: headroom report {out} --out FILE.html")
-    counts = frame["status"].value_counts().to_dict()
-    console.print(f"done in {time.perf_counter() - started:.0f}s: {len(records)} cells run, "
-                  f"{len(frame)} rows ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) "
-                  f"-> {printable(str(out))}/results.parquet, results.csv"
-                  + ("" if args.no_report else ", report.html"))
-    failed = frame["status"].isin(["error", "timeout"]).sum()
-    return EXIT_CELLS_FAILED if failed else 0
-
-
 def _command(module: str, name: str):
     """A command of another harness/cli_*.py module, imported when it runs."""
     def command(args) -> int:
@@ -508,7 +259,7 @@ def cmd_env(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "project": _command("cli_project", "cmd_project"),
+COMMANDS = {"run": _command("cli_run", "cmd_run"), "project": _command("cli_project", "cmd_project"),
             "report": _command("cli_report", "cmd_report"),
             "ledger": _command("cli_speed", "cmd_ledger"),
             "serve-matrix": _command("cli_serving", "cmd_serve_matrix"),
@@ -519,8 +270,8 @@ COMMANDS = {"run": cmd_run, "project": _command("cli_project", "cmd_project"),
             "techniques": cmd_techniques, "workloads": cmd_workloads, "env": cmd_env}
 
 if __name__ == "__main__":
-    # `python -m harness.cli` runs this file as __main__; the commands in harness/cli_*.py raise the
-    # UsageError of `harness.cli`, so run that module's main for its handlers to catch them.
+    # `python -m harness.cli` runs this file as __main__; the commands in harness/cli_*.py import
+    # `harness.cli` again under its own name, so run that one module's main (one parser, one COMMANDS).
     from harness.cli import main as imported_main
 
     sys.exit(imported_main())

@@ -13,7 +13,7 @@ import time
 
 def add_arguments(run) -> None:
     """`headroom run`'s accuracy options."""
-    from harness.cli import _count
+    from harness.cli_args import _count
 
     which = run.add_mutually_exclusive_group()
     which.add_argument("--accuracy", action="store_true",

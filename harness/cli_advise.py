@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from harness.cli import _count, _profiles, printable
+from harness.cli_args import _count, _profiles, printable
 
 
 def add_parser(sub) -> None:

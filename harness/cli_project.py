@@ -5,15 +5,8 @@ solves for the figure asked
 
 from __future__ import annotations
 
-from harness.cli import (
-    EXIT_CELLS_FAILED,
-    UsageError,
-    _add_generation_flags,
-    _add_user_model_flags,
-    _count,
-    _profiles,
-    _user_workloads,
-)
+from harness.cli import EXIT_CELLS_FAILED, _add_generation_flags, _add_user_model_flags, _user_workloads
+from harness.cli_args import UsageError, _count, _profiles
 
 
 def add_parser(sub) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from harness.cli import UsageError, guard_output, printable
+from harness.cli_args import UsageError, _profiles, guard_output, printable
 
 
 def cmd_report(args) -> int:
@@ -30,7 +30,6 @@ def cmd_report(args) -> int:
         return _compare(args, markdown)
     import pandas as pd
 
-    from harness.cli import _profiles
     from harness.prices import price_table
 
     profiles = _profiles(args)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from harness.cli import UsageError, _count, _csv, _folder, _profiles, guard_output, printable
+from harness.cli_args import UsageError, _count, _csv, _folder, _profiles, guard_output, printable
 
 
 def add_parser(sub) -> None:

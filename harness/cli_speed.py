@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.cli import guard_output, printable
+from harness.cli_args import guard_output, printable
 from harness.profiles import load_profiles
 
 
