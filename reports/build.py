@@ -129,7 +129,8 @@ def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_
     advice, prices and the guide's claims judged (reports/answer.py, tradeoffs.py, advice.py, claims.py)."""
     from reports.advice import oom_advice
     from reports.answer import answers, cost_charts
-    from reports.claims import judge_claims, single_gpu_cells, strategy_table
+    from reports.claims import judge_claims, single_gpu_cells
+    from reports.claims_parallel import strategy_table
     from reports.tradeoffs import fit_matrices, memory_sections
 
     capacities = capacities_of(profiles)

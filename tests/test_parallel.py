@@ -18,7 +18,7 @@ from harness.measure.distributed import fold
 from harness.plan import parse_shard, plan_run, shard
 from harness.profiles import detect_local, load_profiles
 from harness.records import Record
-from reports.claims import c13_errors, judge_c13
+from reports.claims_parallel import c13_errors, judge_c13
 from tests.parallel_worker import losses
 
 PROFILES = load_profiles(None)

@@ -254,7 +254,8 @@ def test_an_inference_answer_of_a_served_size_points_to_the_serving_answer():
 
 
 def test_the_strategy_table_sets_the_rows_recommendation_beside_the_guides():
-    from reports.claims import single_gpu_cells, strategy_table
+    from reports.claims import single_gpu_cells
+    from reports.claims_parallel import strategy_table
 
     big = _row(size="gpt-13b", gpu="h100-sxm", technique="amp-bf16", status="oom", fits=False, param_count=13e9)
     frame = pd.concat([_frame(), cost_rows(records_frame([big]), PRICES)], ignore_index=True)
