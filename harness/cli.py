@@ -14,6 +14,7 @@ from pathlib import Path
 
 from harness.cli_args import (
     UsageError,
+    _bounded,
     _count,
     _csv,
     _folder,
@@ -72,9 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(run)
     run.add_argument("--out", type=_out_path, default=None, help="results folder (default: results/<run-id>)")
     run.add_argument("--cell-timeout", type=_seconds, default=None, metavar="S", help="seconds per cell (default 600)")
-    run.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones (default 2)")
-    run.add_argument("--steps", type=int, default=10, help="timed steps per repeat (at least 10)")
-    run.add_argument("--repeats", type=int, default=3, help="timed loops per cell (their spread flags noise)")
+    # Bounds refuse what can only be a typo: 10 timed steps are the fewest that give a p90 (MeasureSettings),
+    # and 100,000 steps outlast the default cell timeout (600 s) at any step above 6 ms.
+    run.add_argument("--warmup", type=_bounded(0, 10_000, "warm-up steps"), default=2,
+                     help="untimed steps before the timed ones (default 2)")
+    run.add_argument("--steps", type=_bounded(10, 100_000, "timed steps"), default=10,
+                     help="timed steps per repeat (10 to 100,000; default 10)")
+    run.add_argument("--repeats", type=_bounded(1, 100, "repeats"), default=3,
+                     help="timed loops per cell (their spread flags noise; 1 to 100, default 3)")
     run.add_argument("--noise-threshold", type=_fraction, default=None, metavar="CV",
                      help="flag a cell noisy above this coefficient of variation across repeats, or with its "
                           "mean step more than twice this off its median (default 0.05)")

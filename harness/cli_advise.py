@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import sys
 
-from harness.cli_args import _count, _profiles, printable
+from harness.cli_args import _count, _name, _profiles, printable
 
 
 def add_parser(sub) -> None:
     advise = sub.add_parser("advise", help="the stacks that make a cell fit a GPU, ranked by step time (projected)")
-    advise.add_argument("--workload", default="gpt", help="workload id (default: gpt)")
-    advise.add_argument("--size", default=None, help="size id (default: the workload's canonical size)")
-    advise.add_argument("--gpu", required=True, help="one GPU profile id")
+    advise.add_argument("--workload", type=_name, default="gpt", help="workload id (default: gpt)")
+    advise.add_argument("--size", type=_name, default=None, help="size id (default: the workload's canonical size)")
+    advise.add_argument("--gpu", type=_name, required=True, help="one GPU profile id")
     advise.add_argument("--mode", default="train", choices=("train", "infer"))
-    advise.add_argument("--technique", default="baseline", metavar="STACK", help="the stack you run now")
+    advise.add_argument("--technique", type=_name, default="baseline", metavar="STACK", help="the stack you run now")
     advise.add_argument("--batch-size", type=_count, default=None, help="samples per step (default: the size's own)")
 
 

@@ -41,6 +41,27 @@ MAX_COUNT = 2**31 - 1
 MAX_CELL_TIMEOUT_S = 7 * 24 * 3600.0
 
 
+def _name(text: str) -> str:
+    """One id (a workload, size, GPU or stack); empty is refused rather than taken for the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a name, got nothing (leave the flag out for its default)")
+    return text.strip()
+
+
+def _bounded(low: int, high: int, what: str):
+    """An integer type from `low` to `high`: `what` it counts is named in the refusal."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number of {what}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {low} to {high} {what}, got {text}")
+        return value
+
+    return parse
+
+
 def _count(text: str) -> int:
     """A positive integer no larger than MAX_COUNT."""
     try:

@@ -6,15 +6,17 @@ from __future__ import annotations
 import sys
 import time
 
-from harness.cli_args import UsageError, _count, _folder, _profiles, guard_output, printable
+from harness.cli_args import UsageError, _count, _folder, _name, _profiles, guard_output, printable
 
 
 def add_parser(sub) -> None:
     frag = sub.add_parser("fragmentation", help="the fragmentation probe (guide's scenario, variable-length "
                                                 "training) under each allocator setting; judges C4")
-    frag.add_argument("--gpu", default=None, help="profile id whose capacity the projected probe uses (default: the "
-                                                  "local GPU, else h100-sxm)")
-    frag.add_argument("--size", default="gpt2-124m", help="gpt size of the variable-length loop (default gpt2-124m)")
+    frag.add_argument("--gpu", type=_name, default=None,
+                      help="profile id (or a family of one) whose capacity the projected probe uses (default: the "
+                           "local GPU, else h100-sxm)")
+    frag.add_argument("--size", type=_name, default="gpt2-124m",
+                      help="gpt size of the variable-length loop (default gpt2-124m)")
     frag.add_argument("--batch-size", type=_count, default=8, help="the loop's batch (default 8)")
     frag.add_argument("--measure", action="store_true", help="also run both scenarios on this machine's CUDA device, "
                                                              "one process per allocator setting")
@@ -67,6 +69,25 @@ def run_probe(plan, profiles: dict, out, console):
     return frame
 
 
+def probe_gpu(name: str, profiles) -> str:
+    """The one GPU profile id `name` stands for: an id, or a family with a single variant; a family of several,
+    an unknown name or the CPU is refused in one line saying what to give instead."""
+    from harness.profiles import resolve_gpus
+
+    try:  # an id first: `h200` is the SXM's id as well as the family of the SXM and the NVL
+        chosen = [profile for profile in ([profiles[name]] if name in profiles else resolve_gpus([name], profiles))
+                  if profile.vendor != "cpu"]
+    except ValueError as exc:
+        raise UsageError(f"--gpu: {exc}") from None
+    if not chosen:
+        raise UsageError(f"--gpu {printable(name)}: the probe needs a GPU profile (with a memory size); "
+                         "see headroom profiles")
+    if len(chosen) > 1:
+        raise UsageError(f"--gpu {printable(name)} is a family of {len(chosen)} profiles with their own capacities "
+                         f"({', '.join(p.id for p in chosen)}): give one of them")
+    return chosen[0].id
+
+
 def cmd_fragmentation(args) -> int:
     """The probe's rows printed (and kept with --out), then C4's verdict."""
     import pandas as pd
@@ -78,9 +99,7 @@ def cmd_fragmentation(args) -> int:
         guard_output(args.out, own="fragmentation.csv")
     profiles = _profiles(args)
     local = detect_local(profiles)
-    gpu = args.gpu or (local.id if local.vendor != "cpu" else "h100-sxm")
-    if gpu not in profiles or profiles[gpu].vendor == "cpu":
-        raise UsageError(f"--gpu {gpu}: the probe needs a GPU profile (with a memory size); see headroom profiles")
+    gpu = probe_gpu(args.gpu or (local.id if local.vendor != "cpu" else "h100-sxm"), profiles)
     if args.measure and local.vendor != "nvidia":
         raise UsageError("--measure runs the guide's scenario on a CUDA device; this machine has none "
                          "(the projected probe runs without it)")

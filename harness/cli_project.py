@@ -6,16 +6,16 @@ solves for the figure asked
 from __future__ import annotations
 
 from harness.cli import EXIT_CELLS_FAILED, _add_generation_flags, _add_user_model_flags, _user_workloads
-from harness.cli_args import UsageError, _count, _profiles
+from harness.cli_args import UsageError, _count, _name, _profiles
 
 
 def add_parser(sub) -> None:
     project = sub.add_parser("project", help="project one cell onto a GPU profile (no GPU needed)")
-    project.add_argument("--workload", default=None, help="default: gpt, or your own model's")
+    project.add_argument("--workload", type=_name, default=None, help="default: gpt, or your own model's")
     _add_user_model_flags(project)
-    project.add_argument("--size", default=None, help="size id (default: the workload's canonical size)")
-    project.add_argument("--gpu", required=True, help="profile id or family (every variant of it)")
-    project.add_argument("--technique", default="baseline", metavar="STACK",
+    project.add_argument("--size", type=_name, default=None, help="size id (default: the workload's canonical size)")
+    project.add_argument("--gpu", type=_name, required=True, help="profile id or family (every variant of it)")
+    project.add_argument("--technique", type=_name, default="baseline", metavar="STACK",
                          help="a technique stack such as amp-bf16+checkpointing (default: baseline)")
     project.add_argument("--mode", default="train", help="train or infer")
     batch = project.add_mutually_exclusive_group()

@@ -269,7 +269,8 @@ def profile_dirs(extra: str | os.PathLike | None = None) -> list[Path]:
         if candidate:
             path = Path(candidate)
             if not path.is_dir():
-                raise ProfileError(f"{path}: profiles folder does not exist (from --profiles or {PROFILES_ENV})")
+                what = "is a file; give the folder that holds it" if path.exists() else "does not exist"
+                raise ProfileError(f"{path}: profiles folder {what} (from --profiles or {PROFILES_ENV})")
             dirs.append(path)
     return dirs
 

@@ -85,7 +85,7 @@ def test_report_merges_results(small_run, tmp_path, capsys):
     (["project", "--size", "gpt2-125m", "--gpu", "t4"], "unknown size 'gpt2-125m' for workload 'gpt'; did you mean "
                                                         "'gpt2-124m'?"),
     (["run", "--mode", "serve"], "unknown mode 'serve'"),
-    (["run", "--steps", "3"], "at least 10"),
+    (["run", "--steps", "3"], "expected 10 to 100000 timed steps"),
     (["run", "--out", "/proc/headroom"], "not writable"),
     (["report", "README.md", "--out", "x.html"], "not a results file"),
     (["frobnicate"], "invalid choice"),

@@ -70,6 +70,14 @@ def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, capsys):
     (["project", "--gpu", "t4", "--batch-size", str(10**12)], "up to 2147483647"),
     (["project", "--gpu", "t4", "--seq-len", "-1"], "expected a positive integer"),
     (["report", "x.parquet", "--out", ""], "expected a path"),
+    (["run", "--steps", "99999999999"], "expected 10 to 100000 timed steps"),
+    (["run", "--repeats", "0"], "expected 1 to 100 repeats"),
+    (["run", "--warmup", "two"], "expected a whole number of warm-up steps"),
+    (["project", "--gpu", "t4", "--size", ""], "expected a name, got nothing"),
+    (["advise", "--gpu", " "], "expected a name, got nothing"),
+    (["fragmentation", "--gpu", "a100"], "is a family of 4 profiles"),
+    (["fragmentation", "--gpu", "cpu"], "needs a GPU profile"),
+    (["profiles", "--profiles", str(ROOT / "pyproject.toml")], "is a file; give the folder that holds it"),
 ])
 def test_bad_values_are_refused_at_the_door_in_one_line(argv, message, capsys):
     assert main(argv) == 2
