@@ -171,3 +171,15 @@ def test_a_results_folder_is_read_from_its_csv_and_an_empty_one_says_what_to_do(
         read_results(tmp_path / "empty")
     assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--resume"]) == 2
     assert "give it with --out results/<run-id>" in capsys.readouterr().err
+
+
+def test_a_results_file_without_rows_is_refused_alone_and_noted_beside_others(tmp_path, capsys):
+    header = tmp_path / "header-only.csv"
+    header.write_text((ROOT / "benchmarks/data/h200-2026-11-30.csv").read_text().splitlines()[0] + "\n")
+    assert main(["report", str(header), "--out", str(tmp_path / "r.html")]) == 2
+    assert "no rows (a header only), nothing to report" in capsys.readouterr().err
+    assert not (tmp_path / "r.html").exists()
+    run = _results_folder(tmp_path / "run")
+    assert main(["report", str(header), str(run), "--out", str(tmp_path / "r.html")]) == 0
+    assert "header-only.csv held no rows; the report is built from the others" in capsys.readouterr().err
+    assert (tmp_path / "r.html").exists()
