@@ -128,7 +128,9 @@ def read_ledger(path: Path = LEDGER_FILE) -> pd.DataFrame:
 
 
 def merge(ledger: pd.DataFrame, new: pd.DataFrame) -> tuple[pd.DataFrame, int]:
-    """`ledger` with the pairs of `new` it does not hold yet, and how many were added."""
+    """`ledger` with the pairs of `new` it does not hold yet, and how many were added. A pair is its
+    measurement (`pair_id`): the projection first recorded beside it is kept, and
+    benchmarks/projection_calibration.py --write refreshes every pair's projection with the current model."""
     fresh = new[~new["pair_id"].isin(ledger["pair_id"])].drop_duplicates("pair_id")
     if fresh.empty:
         return ledger, 0
