@@ -143,6 +143,12 @@ def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_
     }
 
 
+def _timeline_item(index: int, chart: dict) -> dict:
+    """A memory timeline as the chart macro takes it; its chart draws no title, so the caption names the cell."""
+    title = f"{chart['cell']} (peak {fmt.bytes_(chart['peak'])})"
+    return dict(chart, name=f"timeline-{index}", title=title, caption=title)
+
+
 def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timelines: list[Path] = (),
                   fragmentation: pd.DataFrame | None = None, accuracy: pd.DataFrame | None = None,
                   prices: dict | None = None, profiles: dict | None = None) -> dict:
@@ -207,8 +213,7 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
         "projected_on": projected_on,
         "generation": generation_rows(frame) if len(frame) else None,
         "serve_matrix": serving,
-        "timelines": [dict(chart, name=f"timeline-{index}", title=f"{chart['cell']} (peak {fmt.bytes_(chart['peak'])})")
-                      for index, chart in enumerate(timeline_charts(list(timelines)))],
+        "timelines": [_timeline_item(index, chart) for index, chart in enumerate(timeline_charts(list(timelines)))],
         "fragmentation": probe,
         "quality": quality,
         "intervals": interval_summary(frame) if len(frame) else [],

@@ -43,10 +43,12 @@ def fit_matrices(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
         labels, left, marginal = [], [], []
         for size in order:
             part = group[group["size"] == size]
-            for technique in dict.fromkeys(part["technique"]):
-                by_gpu = part[part["technique"] == technique].drop_duplicates("gpu").set_index("gpu")
+            # One row per stack and batch: what fits depends on the batch, so the label says it.
+            for technique, batch in dict.fromkeys(zip(part["technique"], part["batch_size"], strict=True)):
+                same = (part["technique"] == technique) & (part["batch_size"] == batch)
+                by_gpu = part[same].drop_duplicates("gpu").set_index("gpu")
                 cells, status, worst = by_gpu["left"], by_gpu["status"], by_gpu["worst"]
-                labels.append(f"{size} / {technique}")
+                labels.append(f"{size} b{fmt.number(batch, 0)} / {technique}")
                 # An OOM without a figure (a measured cell that died) is short by an unknown amount.
                 left.append([float("-inf") if status.get(gpu) == "oom" and fmt.missing(cells.get(gpu)) else
                              None if fmt.missing(cells.get(gpu)) else float(cells[gpu]) for gpu in gpus])

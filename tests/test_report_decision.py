@@ -80,6 +80,12 @@ def test_nothing_fits_is_said():
 def test_the_fit_matrix_counts_fitting_cells():
     [matrix] = fit_matrices(_frame(), CAPACITIES)
     assert matrix["judged"] == 6 and matrix["fits"] == 5 and "<svg" in matrix["svg"]
+    # Each row names its batch, and the same stack at another batch is a row of its own.
+    larger = [_row(gpu="a10"), _row(gpu="a10", batch_size=64, status="oom", fits=False, peak_reserved_bytes=30 * GIB)]
+    larger = cost_rows(records_frame(larger), PRICES)
+    [matrix] = fit_matrices(larger, CAPACITIES)
+    assert matrix["judged"] == 2 and matrix["fits"] == 1
+    assert "gpt2-1.3b b4 / amp-bf16" in matrix["svg"] and "gpt2-1.3b b64 / amp-bf16" in matrix["svg"]
 
 
 def test_a_cell_that_fits_only_below_the_high_end_of_its_interval_is_marked_as_may_not_fit():
