@@ -40,7 +40,8 @@ def cmd_report(args) -> int:
     matrices = [read_matrix(path / MATRIX_FILE) for path in args.results if (path / MATRIX_FILE).is_file()]
     matrices += [read_matrix(path) for path in args.serve_matrix or []]
     frames = [read_results(path) for path in args.results]
-    empty = ", ".join(printable(str(path)) for path, frame in zip(args.results, frames) if not len(frame))
+    empty = ", ".join(printable(str(path)) for path, frame in zip(args.results, frames, strict=True)
+                      if not len(frame))
     if empty and all(not len(frame) for frame in frames) and not matrices:
         raise UsageError(f"{empty}: no rows (a header only), nothing to report; give a run's results "
                          "(headroom run writes them) or its folder")
