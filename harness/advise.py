@@ -22,7 +22,8 @@ GIB = 2**30
 TRAIN_STACKS = ("amp-bf16", "amp-fp16", "checkpointing", "amp-bf16+checkpointing",
                 "amp-bf16+selective-checkpointing", "amp-bf16+grad-accumulation", "amp-bf16+optim-8bit",
                 "amp-bf16+checkpointing+optim-8bit", "amp-bf16+checkpointing+optim-4bit",
-                "amp-bf16+checkpointing+optim-offload", "lora+amp-bf16+checkpointing", "qlora+checkpointing")
+                "amp-bf16+checkpointing+optim-offload", "lora+amp-bf16+checkpointing",
+                "qlora+amp-bf16+checkpointing")  # QLoRA computes in bf16 (Dettmers et al. 2023), as LoRA here does
 INFER_STACKS = ("bf16-weights", "fp16-weights", "bf16-weights+kv-int8", "bf16-weights+group-quant",
                 "bf16-weights+group-quant-int4", "bf16-weights+group-quant-int4+kv-int8")
 CHANGES_TRAINING = {"lora": "trains adapters only", "qlora": "trains adapters on 4-bit frozen weights",

@@ -268,6 +268,27 @@ def test_largest_model_says_why_there_is_none_and_at_which_batch(capsys):
     assert json.loads(capsys.readouterr().out)["batch_size"] == 8  # 4 micro-batches of 2
 
 
+def test_largest_model_goes_past_a_smaller_size_that_does_not_fit_and_stops_at_the_weight_floor(monkeypatch):
+    # llama3-8b (sequence 8192) has fewer parameters than gpt-13b (2048) but needs more memory; a search that
+    # stopped at the first size that does not fit answered gpt-7b where gpt-13b fits.
+    import harness.project.search as search
+
+    tried = []
+
+    def fits_at(cell, batch_size=None):
+        tried.append(cell.spec.name)
+        return cell.spec.name != "llama3-8b" and search._param_estimate(cell.workload, cell.spec) < 14e9
+
+    monkeypatch.setattr(search, "fits_at", fits_at)
+    answer = search.largest_model(_cell("gpt", "gpt2-124m", "amp-bf16", gpu="l4"))
+    assert answer.size == "gpt-13b"
+    assert answer.reason == "llama3-8b, with fewer parameters, does not fit (sequence 8192)"
+    # No stack holds a weight in under 4 bits: sizes whose weights alone pass the L4's memory are not traced.
+    capacity = PROFILES["l4"].memory_bytes
+    assert all(search._param_estimate(WORKLOADS["gpt"], WORKLOADS["gpt"].sizes[name]) * 0.5 <= capacity
+               for name in tried) and "gpt3-175b" not in tried
+
+
 def test_max_batch_of_a_batchnorm_net_in_training_starts_at_two_samples(capsys, monkeypatch):
     # The 32 px smoke ResNet's last feature map is 1 x 1: BatchNorm cannot train on one sample.
     assert max_batch(_cell("resnet50", "smoke", gpu="t4"), smallest=2, limit=6) == 6

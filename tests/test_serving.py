@@ -128,6 +128,12 @@ def _row(cell):
     return to_record(cell, project_outcome(cell), "t")
 
 
+def test_a_served_model_that_does_not_fit_in_fp32_is_pointed_at_bf16_weights_first():
+    fp32, bf16 = _row(_served("llama3-8b", "baseline", "a10")), _row(_served("llama3-8b", "bf16-weights", "a10"))
+    assert fp32.status == "oom" and "try bf16-weights, quantised weights" in fp32.reason
+    assert bf16.status == "ok"  # and the advice holds: 8B parameters in bf16 fit an A10's 24 GB
+
+
 def test_a_batch_1_7b_bf16_decode_projects_inside_the_published_decoders_band():
     # Published batch-1 decoders reach 55-75% of the bandwidth ceiling (reference/gpu_specs.md 1c); compiled,
     # CUDA-graph decode is how they run. Eager decode is host-bound and projects well below the band.

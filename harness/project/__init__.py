@@ -90,8 +90,10 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
     memory, step = projection.memory, projection.time
     status, reason = ("oom", oom_reason(memory, cell.profile.id)) if memory.fits is False else ("ok", "")
     if status == "oom" and projection.trace.gen_len:
-        reason += ("; serving it over several GPUs (tensor parallelism) is not modelled yet: try quantised weights "
-                   "(group-quant, group-quant-int4), kv-int8 or a shorter context")
+        # fp32 weights (no weight technique) take twice bf16's memory: the first thing to try.
+        halve = "bf16-weights, " if projection.trace.precision == "fp32" else ""
+        reason += (f"; serving it over several GPUs (tensor parallelism) is not modelled yet: try {halve}quantised "
+                   "weights (group-quant, group-quant-int4), kv-int8 or a shorter context")
     speed = None
     # A cell that cannot run has no speed or cost, as a measured oom row has none.
     ledger = shipped_ledger()

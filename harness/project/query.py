@@ -86,6 +86,12 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
     the size's batch and sequence length unless the request sets them."""
     if request.batch_size is not None and request.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {request.batch_size}")
+    degrees = [flag for flag, value in (("--dp", request.dp), ("--tp", request.tp), ("--pp", request.pp),
+                                        ("--ep", request.ep), ("--min-gpus", request.min_gpus)) if value]
+    if request.mode == "infer" and degrees:
+        raise ValueError(f"{', '.join(degrees)}: serving over several GPUs is not modelled yet (the parallel "
+                         "techniques here are set up for training); to fit one GPU, try bf16-weights, group-quant, "
+                         "group-quant-int4 or kv-int8 (headroom advise --mode infer tries them)")
     # Batch 1 until the size is known; the empty size resolves to the workload's default (Cell.resolve).
     technique = with_degrees(request.technique, request.tp, request.pp, request.ep)
     cell = Cell(request.workload, request.size or "", request.mode, technique, request.gpu,

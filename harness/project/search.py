@@ -160,25 +160,45 @@ class LargestModel:
     reason: str = ""
 
 
+# No stack here holds a weight in fewer than 4 bits (int4 and NF4 are the smallest formats), and a parallel
+# cell's ranks share the weights at best evenly: a size whose weights alone pass that floor cannot fit, so
+# the search stops there rather than trace every larger size.
+WEIGHT_FLOOR_BYTES = 0.5
+
+
 def largest_model(cell: ResolvedCell) -> LargestModel:
     """The largest size of the cell's workload that fits its profile at its smallest batch under its
-    stack (the cell's own size and batch are ignored)."""
+    stack (the cell's own size and batch are ignored). Sizes are tried by parameter count, but a smaller
+    size may need more (a longer sequence): one that does not fit is noted and the search goes on."""
     workload, stack = cell.workload, cell.stack
     batch = smallest_batch(stack, workload, cell.mode)
     if cell.unsupported:
         return LargestModel(None, batch, f"unsupported: {cell.unsupported}")
-    best = None
-    for spec in sorted(workload.sizes.values(), key=lambda s: _param_estimate(workload, s)):
+    capacity = cell.profile.per_device().memory_bytes or float("inf")
+    sizes = sorted((_param_estimate(workload, spec), spec.name, spec) for spec in workload.sizes.values())
+    best, best_params, missed = None, 0, []  # missed: (parameters, size, why) of the sizes that did not fit
+    for params, name, spec in sizes:
+        if best and params * WEIGHT_FLOOR_BYTES / cell.cell.world_size > capacity:
+            break
         try:
             fits = fits_at(cell.with_spec(spec).with_batch(batch))
         except Unsupported as exc:
-            return LargestModel(best, batch, f"{spec.name} unsupported: {exc}")
+            missed.append((params, name, f"unsupported: {exc}"))
+            continue
         except Exception as exc:  # a model that fails to trace (a user's): the answer says so, not a traceback
-            return LargestModel(best, batch, f"{spec.name}: projection failed: {type(exc).__name__}: {exc}")
-        if not fits:
-            return LargestModel(best, batch, "" if best else f"even {spec.name} does not fit")
-        best = spec.name
-    return LargestModel(best, batch)
+            missed.append((params, name, f"projection failed: {type(exc).__name__}: {exc}"))
+            continue
+        if fits:
+            best, best_params = name, params
+        else:
+            missed.append((params, name, "does not fit" + (f" (sequence {spec.seq_len})" if spec.seq_len else "")))
+    failed = [f"{name} {why}" for _, name, why in missed if not why.startswith("does not fit")]
+    if best is None:
+        return LargestModel(None, batch, "; ".join(failed) or f"even {sizes[0][1]} does not fit")
+    # What a buyer would not guess from the answer: a size with fewer parameters that does not fit.
+    smaller = [f"{name}, with fewer parameters, {why}" for params, name, why in missed
+               if params < best_params and why.startswith("does not fit")]
+    return LargestModel(best, batch, "; ".join(smaller + failed))
 
 
 def _param_estimate(workload: Workload, spec: SizeSpec) -> int:
