@@ -282,6 +282,18 @@ def test_group_quant_int4_keeps_the_true_size_where_tinygemm_would_pad():
     assert G._torchao_layer(nn.Linear(1024, 256), 4, 128, torch.device("cuda")) is not None
 
 
+def test_group_quant_says_when_most_weights_sit_outside_linear_layers():
+    # A mixture of experts keeps its experts as batched matrices (suites/workloads/moe.py), which weight-only
+    # quantisation of nn.Linear does not touch: the row must not read as a quantised model.
+    workload = WORKLOADS["gpt"]
+    spec = workload.sizes["moe-smoke"]
+    model = workload.build(spec).eval()
+    run = _run(workload, spec, model, "infer", "group-quant-int4")
+    assert "of the parameter bytes were in Linear layers" in run.notes[-1] and "MoE expert" in run.notes[-1]
+    dense, dense_spec, dense_model, _ = _setup("gpt")
+    assert "in Linear layers" not in _run(dense, dense_spec, dense_model, "infer", "group-quant-int4").notes[-1]
+
+
 # --- checks --------------------------------------------------------------------------------------------
 
 

@@ -228,6 +228,7 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
             after += _bytes([*new.parameters(), *new.buffers()])
             return new
 
+        total = _bytes(run.model.parameters())
         count = _replace(run.model, (nn.Linear,), convert)
         if not count:
             raise Unsupported(f"no nn.Linear of {run.workload.name} has in_features divisible into int{bits} groups")
@@ -241,9 +242,20 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
             f"group-quant int{bits} weight-only, group size {sizes} (default {GROUP_SIZES[bits]}; a narrower "
             f"row is one group); {count} Linear layers: {path} [torchao path: {where}; {version}; hand-written: "
             f"packed int{bits} + scales in the weights' dtype, one op that dequantises and multiplies]; "
-            f"{before:,} -> {after:,} bytes{kept}")
+            f"{before:,} -> {after:,} bytes{kept}" + _untouched(before, total))
 
     return apply
+
+
+def _untouched(quantised: int, total: int) -> str:
+    """What the row's memory keeps in its own dtype where that is most of the model: weights outside nn.Linear
+    (embeddings, norms, a mixture of experts' batched expert matrices) are not quantised, as torchao's
+    weight-only configs leave them."""
+    rest = total - quantised
+    if not total or rest <= quantised:
+        return ""
+    return (f"; only {quantised / total:.0%} of the parameter bytes were in Linear layers: the other "
+            f"{rest:,} bytes (embeddings, norms, MoE expert matrices) keep their dtype")
 
 
 def _check_group(name: str):
