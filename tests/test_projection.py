@@ -78,6 +78,15 @@ def test_depth_extrapolation_matches_a_full_trace_of_a_mid_size_model(workload_n
     assert all(abs(extrapolated.memory.reserved[s] / replayed[s] - 1) < 0.11 for s in replayed)
 
 
+def test_an_extrapolated_row_says_its_technique_notes_count_the_traced_layers():
+    # A technique counts what it touched on the 3-layer model it was applied to; the row's figures are the
+    # whole model's, so a note with such counts names the depth it was written at.
+    projection = project(_cell("gpt", "gpt2-124m", "lora+amp-bf16", gpu="l4"))
+    lora = next(note for note in projection.trace.notes if "parameters trainable" in note)
+    assert lora.startswith("[3-layer trace] lora")
+    assert "[3-layer trace] extrapolated" not in " ".join(projection.trace.notes)  # the row's own notes are not
+
+
 def test_cuda_profiles_round_allocations_to_512_bytes():
     on_gpu = traced(_cell("gpt", "smoke", batch=4, gpu="a100-sxm4-80gb"))
     on_cpu = traced(_cell("gpt", "smoke", batch=4, gpu="cpu"))

@@ -5,6 +5,7 @@ projects in about a second. The workload names its depth key (Traits.depth_key).
 
 from __future__ import annotations
 
+import re
 from dataclasses import astuple
 
 from harness.cell import ResolvedCell
@@ -54,7 +55,8 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         activations_bytes=round(lin(a.activations_bytes, b.activations_bytes)), events=[],
         ops=_extrapolated_ops(a.ops, b.ops, lin), precision=b.precision, tf32=b.tf32,
         compiled=b.compiled, allocator=b.allocator,
-        notes=b.notes + [f"extrapolated from traces at {low} and {high} layers to {depth}"],
+        notes=[_at_traced_depth(note, high) for note in b.notes]
+        + [f"extrapolated from traces at {low} and {high} layers to {depth}"],
         untraced=b.untraced,
         param_count=round(lin(a.param_count, b.param_count)), gen_len=b.gen_len,
         kv_cache_bytes=round(lin(a.kv_cache_bytes, b.kv_cache_bytes)),
@@ -65,6 +67,17 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
                        for p in phases if p and p in a.phase_at_peak and p in b.phase_at_peak},
         host=HostTraffic(*(round(lin(x, y)) for x, y in zip(astuple(a.host), astuple(b.host), strict=True)))
         if a.host and b.host else None)
+
+
+# A figure with thousands separators (bytes, parameter counts) in a technique's note.
+_COUNT = re.compile(r"\d{1,3}(?:,\d{3})+")
+
+
+def _at_traced_depth(note: str, depth: int) -> str:
+    """A technique's note as the extrapolated row shows it: its counts are the traced model's (a
+    technique wrote them while applied to `depth` layers), so the note says so rather than contradict the
+    row's own figures for the whole model."""
+    return f"[{depth}-layer trace] {note}" if _COUNT.search(note) else note
 
 
 def _extrapolated_ops(a: dict[OpShape, int], b: dict[OpShape, int], lin) -> dict[OpShape, int]:
