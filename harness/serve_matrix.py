@@ -140,6 +140,11 @@ def judge_c1(matrix: pd.DataFrame, capacity_bytes: int | None, gpu: str = C1_GPU
     fits = bf16[bf16[first].fillna(0) >= 1].sort_values("params_bytes")
     context = first.removeprefix("max_batch_")
     if fits.empty:
+        smallest = bf16.sort_values("params_bytes").iloc[0]
+        if smallest["params_bytes"] / 2 > C1_PARAMS:  # sizes above the claim's: their not fitting says nothing
+            return (f"not measurable with these sizes: the smallest tried, {smallest['size']} "
+                    f"({smallest['params_bytes'] / 2e9:.0f}B), is above the claim's {C1_PARAMS / 1e9:.0f}B "
+                    "(add a size at or below it, e.g. --size gpt-7b,gpt-13b)")
         return f"contradicted: none of {', '.join(bf16['size'])} fits {gpu} in bf16 at {context} tokens"
     largest = fits.iloc[-1]
     params = largest["params_bytes"] / 2  # bf16: two bytes per parameter

@@ -238,6 +238,11 @@ def test_c1_is_judged_from_the_matrix_rows():
     assert "gpt-70b does not fit in bf16 but does in int4" in verdict
     tight = matrix.assign(peak_reserved_b1_bytes=[79 * gib, None, 45 * gib])
     assert judge_c1(tight, 80 * gib).startswith("supported")
+    # Only sizes above the claim's 13B, none fitting: that says nothing about 13B.
+    large = matrix[matrix["size"] == "gpt-70b"]
+    assert judge_c1(large, 80 * gib).startswith("not measurable with these sizes: the smallest tried, gpt-70b (70B)")
+    small = matrix.assign(max_batch_4k=[0, 0, 0])
+    assert judge_c1(small, 80 * gib).startswith("contradicted: none of gpt-13b, gpt-70b fits")
 
 
 def test_a_measured_generation_times_prefill_and_every_decode_step():
