@@ -83,7 +83,7 @@ def probe_gpu(name: str, profiles) -> str:
         raise UsageError(f"--gpu {printable(name)}: the probe needs a GPU profile (with a memory size); "
                          "see headroom profiles")
     if len(chosen) > 1:
-        raise UsageError(f"--gpu {printable(name)} is a family of {len(chosen)} profiles with their own capacities "
+        raise UsageError(f"--gpu {printable(name)} names {len(chosen)} profiles with their own capacities "
                          f"({', '.join(p.id for p in chosen)}): give one of them")
     return chosen[0].id
 

@@ -75,7 +75,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, capsys):
     (["run", "--warmup", "two"], "expected a whole number of warm-up steps"),
     (["project", "--gpu", "t4", "--size", ""], "expected a name, got nothing"),
     (["advise", "--gpu", " "], "expected a name, got nothing"),
-    (["fragmentation", "--gpu", "a100"], "is a family of 4 profiles"),
+    (["fragmentation", "--gpu", "a100"], "a100 names 4 profiles"),
     (["fragmentation", "--gpu", "cpu"], "needs a GPU profile"),
     (["profiles", "--profiles", str(ROOT / "pyproject.toml")], "is a file; give the folder that holds it"),
     (["project", "--gpu", "a10", "--mode", "infer", "--tp", "2"], "--tp: serving over several GPUs is not modelled"),

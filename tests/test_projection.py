@@ -278,7 +278,7 @@ def test_largest_model_says_why_there_is_none_and_at_which_batch(capsys):
 
 
 def test_largest_model_goes_past_a_smaller_size_that_does_not_fit_and_stops_at_the_weight_floor(monkeypatch):
-    # llama3-8b (sequence 8192) has fewer parameters than gpt-13b (2048) but needs more memory; a search that
+    # llama3-8b (sequence 8192) has fewer parameters than gpt-13b (4096) but needs more memory; a search that
     # stopped at the first size that does not fit answered gpt-7b where gpt-13b fits.
     import harness.project.search as search
 
@@ -296,6 +296,14 @@ def test_largest_model_goes_past_a_smaller_size_that_does_not_fit_and_stops_at_t
     capacity = PROFILES["l4"].memory_bytes
     assert all(search._param_estimate(WORKLOADS["gpt"], WORKLOADS["gpt"].sizes[name]) * 0.5 <= capacity
                for name in tried) and "gpt3-175b" not in tried
+    # The floor holds only where every weight stays on the device, dense: not where a stack shares, drops,
+    # sparsifies or offloads them (param-sharing fits gpt3-175b on one H100).
+    assert search._weight_floor_holds(parse_stack("amp-bf16+group-quant-int4"))
+    assert not any(search._weight_floor_holds(parse_stack(stack)) for stack in
+                   ("param-sharing", "low-rank", "unstructured-pruning", "cpu-offload+amp-bf16"))
+    monkeypatch.setattr(search, "fits_at", lambda cell, batch_size=None: False)
+    nothing = search.largest_model(_cell("gpt", "gpt2-124m", "amp-bf16", gpu="l4"))
+    assert nothing.size is None and nothing.reason == "even smoke does not fit"
 
 
 def test_max_batch_of_a_batchnorm_net_in_training_starts_at_two_samples(capsys, monkeypatch):

@@ -241,6 +241,9 @@ def test_c1_is_judged_from_the_matrix_rows():
     # Only sizes above the claim's 13B, none fitting: that says nothing about 13B.
     large = matrix[matrix["size"] == "gpt-70b"]
     assert judge_c1(large, 80 * gib).startswith("not measurable with these sizes: the smallest tried, gpt-70b (70B)")
+    own = pd.DataFrame([{"size": "gpt-13b", "gpu": A100, "weights": "bf16", "max_batch_4k": 0,
+                         "params_bytes": 26.03e9, "peak_reserved_b1_bytes": None}])
+    assert judge_c1(own, 80 * gib).startswith("contradicted")  # 13.02B is the claim's own size, not above it
     small = matrix.assign(max_batch_4k=[0, 0, 0])
     assert judge_c1(small, 80 * gib).startswith("contradicted: none of gpt-13b, gpt-70b fits")
 

@@ -87,7 +87,8 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
     if request.batch_size is not None and request.batch_size < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {request.batch_size}")
     degrees = [flag for flag, value in (("--dp", request.dp), ("--tp", request.tp), ("--pp", request.pp),
-                                        ("--ep", request.ep), ("--min-gpus", request.min_gpus)) if value]
+                                        ("--ep", request.ep)) if value and value > 1]
+    degrees += ["--min-gpus"] if request.min_gpus else []
     if request.mode == "infer" and degrees:
         raise ValueError(f"{', '.join(degrees)}: serving over several GPUs is not modelled yet (the parallel "
                          "techniques here are set up for training); to fit one GPU, try bf16-weights, group-quant, "

@@ -14,7 +14,8 @@ import torch
 
 from harness.cell import ResolvedCell
 from harness.project.batch_model import BatchModel
-from suites.techniques import Stack, Unsupported
+from harness.project.layout import base_name
+from suites.techniques import Phase, Stack, Unsupported
 from suites.techniques.accumulation import DEFAULT_MICRO_BATCHES
 from suites.workloads.base import SizeSpec, Workload, count_parameters
 
@@ -160,10 +161,17 @@ class LargestModel:
     reason: str = ""
 
 
-# No stack here holds a weight in fewer than 4 bits (int4 and NF4 are the smallest formats), and a parallel
-# cell's ranks share the weights at best evenly: a size whose weights alone pass that floor cannot fit, so
-# the search stops there rather than trace every larger size.
+# A stack that keeps every weight on the device, dense, holds none in fewer than 4 bits (int4 and NF4 are
+# the smallest formats here), and a parallel cell's ranks share the weights at best evenly: a size whose
+# weights alone pass that floor cannot fit, so the search stops there rather than trace every larger size.
 WEIGHT_FLOOR_BYTES = 0.5
+# Techniques under which the floor does not hold: they store weights sparse (CSR) or on the host. Those of
+# the STRUCTURE phase (sharing, low-rank, structured pruning) drop weights from the model and are excluded too.
+BELOW_THE_FLOOR = ("unstructured-pruning", "dynamic-sparsity", "cpu-offload")
+
+
+def _weight_floor_holds(stack: Stack) -> bool:
+    return not any(t.phase == Phase.STRUCTURE or base_name(t) in BELOW_THE_FLOOR for t in stack.techniques)
 
 
 def largest_model(cell: ResolvedCell) -> LargestModel:
@@ -174,11 +182,11 @@ def largest_model(cell: ResolvedCell) -> LargestModel:
     batch = smallest_batch(stack, workload, cell.mode)
     if cell.unsupported:
         return LargestModel(None, batch, f"unsupported: {cell.unsupported}")
-    capacity = cell.profile.per_device().memory_bytes or float("inf")
+    capacity = (cell.profile.per_device().memory_bytes if _weight_floor_holds(stack) else None) or float("inf")
     sizes = sorted((_param_estimate(workload, spec), spec.name, spec) for spec in workload.sizes.values())
     best, best_params, missed = None, 0, []  # missed: (parameters, size, why) of the sizes that did not fit
     for params, name, spec in sizes:
-        if best and params * WEIGHT_FLOOR_BYTES / cell.cell.world_size > capacity:
+        if params * WEIGHT_FLOOR_BYTES / cell.cell.world_size > capacity:
             break
         try:
             fits = fits_at(cell.with_spec(spec).with_batch(batch))
@@ -194,7 +202,8 @@ def largest_model(cell: ResolvedCell) -> LargestModel:
             missed.append((params, name, "does not fit" + (f" (sequence {spec.seq_len})" if spec.seq_len else "")))
     failed = [f"{name} {why}" for _, name, why in missed if not why.startswith("does not fit")]
     if best is None:
-        return LargestModel(None, batch, "; ".join(failed) or f"even {sizes[0][1]} does not fit")
+        smallest = next((name for _, name, why in missed if why.startswith("does not fit")), None)
+        return LargestModel(None, batch, "; ".join(([f"even {smallest} does not fit"] if smallest else []) + failed))
     # What a buyer would not guess from the answer: a size with fewer parameters that does not fit.
     smaller = [f"{name}, with fewer parameters, {why}" for params, name, why in missed
                if params < best_params and why.startswith("does not fit")]

@@ -228,7 +228,8 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
             after += _bytes([*new.parameters(), *new.buffers()])
             return new
 
-        total = _bytes(run.model.parameters())
+        # A mixture of experts keeps its experts as batched matrices (one 3-d Parameter per projection).
+        experts = _bytes(p for p in run.model.parameters() if p.dim() >= 3)
         count = _replace(run.model, (nn.Linear,), convert)
         if not count:
             raise Unsupported(f"no nn.Linear of {run.workload.name} has in_features divisible into int{bits} groups")
@@ -242,20 +243,20 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
             f"group-quant int{bits} weight-only, group size {sizes} (default {GROUP_SIZES[bits]}; a narrower "
             f"row is one group); {count} Linear layers: {path} [torchao path: {where}; {version}; hand-written: "
             f"packed int{bits} + scales in the weights' dtype, one op that dequantises and multiplies]; "
-            f"{before:,} -> {after:,} bytes{kept}" + _untouched(before, total))
+            f"{before:,} -> {after:,} bytes{kept}" + _untouched(before, experts))
 
     return apply
 
 
-def _untouched(quantised: int, total: int) -> str:
-    """What the row's memory keeps in its own dtype where that is most of the model: weights outside nn.Linear
-    (embeddings, norms, a mixture of experts' batched expert matrices) are not quantised, as torchao's
-    weight-only configs leave them."""
-    rest = total - quantised
-    if not total or rest <= quantised:
+def _untouched(quantised: int, experts: int) -> str:
+    """Where a mixture of experts holds more weight bytes in its batched expert matrices than the Linear
+    layers quantised, the row says they keep their dtype: weight-only quantisation of nn.Linear (torchao's
+    configs, this module) does not reach them, so the model is mostly unquantised. Both grow per block, so
+    the comparison holds on a depth-extrapolated trace too."""
+    if experts <= quantised:
         return ""
-    return (f"; only {quantised / total:.0%} of the parameter bytes were in Linear layers: the other "
-            f"{rest:,} bytes (embeddings, norms, MoE expert matrices) keep their dtype")
+    return (f"; the MoE expert matrices' {experts:,} bytes (batched, not nn.Linear) keep their dtype: "
+            f"{quantised / (quantised + experts):.0%} of these weights were quantised")
 
 
 def _check_group(name: str):
