@@ -304,6 +304,11 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             tracker.peak = tracker.total
             tracker.at_peak = tracker.by_category()
             tracker.phase_peaks, tracker.phase_at_peak = {}, {}
+            # Until the step's forward starts, what is live is the previous step's end (its gradients, until
+            # zero_grad frees them): the tail of the optimizer phase, not the forward. Counted as the forward,
+            # the forward's peak would switch between this moment and mid-forward as the depth grows, and
+            # depth extrapolation from two small depths would join two different moments (depth.py).
+            tracker.phase = "optimizer" if run.mode == "train" else "forward"
             with tracker, costs, _blocks_backward_marked(run, tracker):
                 step(batch, mark=mark)
                 costs.flush()
