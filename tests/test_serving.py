@@ -161,6 +161,20 @@ def test_weight_only_quantisation_is_costed_by_its_packed_bytes():
     assert layer_weights < 0.5 * dense_bytes
 
 
+def test_a_mixture_of_experts_is_projected_with_its_expert_matrices_quantised():
+    # The experts are batched matmuls: quantised, the decode reads their packed bytes while doing the same FLOPs.
+    def matmuls(trace):
+        ops = [(s, n) for s, n in trace.ops.items() if s.phase == "decode_first" and s.op_class == "matmul"]
+        return sum(s.flops * n for s, n in ops), sum(s.bytes * n for s, n in ops)
+
+    dense = traced(_served("moe-smoke", "bf16-weights", prompt_len=32, gen_len=8))
+    int4 = traced(_served("moe-smoke", "bf16-weights+group-quant-int4", prompt_len=32, gen_len=8))
+    assert int4.params_bytes < 0.4 * dense.params_bytes
+    (dense_flops, dense_bytes), (int4_flops, int4_bytes) = matmuls(dense), matmuls(int4)
+    assert int4_flops == pytest.approx(dense_flops, rel=0.01)
+    assert int4_bytes < 0.5 * dense_bytes
+
+
 def test_generation_rows_carry_prefill_decode_and_cache_figures():
     row = _row(_served("gpt2-124m", "bf16-weights+compile", "h100-sxm", batch=4, prompt_len=500, gen_len=20))
     assert (row.seq_len, row.gen_len) == (500, 20) and row.status == "ok"

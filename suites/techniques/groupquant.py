@@ -2,7 +2,8 @@
 
 `group-quant` / `group-quant-int4` store Linear weights only as int8 / int4 with one scale per group
 of G input weights (Frantar et al. 2022, GPTQ, arXiv:2210.17323; torchao's weight-only configs),
-dequantising on the fly: through torchao where it runs, else a hand-written packed layout.
+dequantising on the fly: through torchao where it runs, else a hand-written packed layout. A mixture of
+experts' batched expert matrices are stored the same way, per expert (groupquant_experts.py).
 """
 
 from __future__ import annotations
@@ -57,18 +58,35 @@ def _weight_only_linear_fake(x, weight, scales, bits, group_size):
 
 
 def int_weight(weight: torch.Tensor, bits: int, out_features: int, in_features: int) -> torch.Tensor:
-    """The integer weight [out, in] as int8 (int4 values unpacked from two per byte)."""
+    """The integer weight [..., out, in] as int8 (int4 values unpacked from two per byte); leading
+    dimensions are a batch of matrices (a mixture's experts)."""
     if bits == 8:
         return weight
     low = (weight & 0x0F).to(torch.int8) - 8
     high = (weight >> 4).to(torch.int8) - 8
-    return torch.stack((low, high), dim=-1).reshape(out_features, in_features)
+    return torch.stack((low, high), dim=-1).reshape(*weight.shape[:-2], out_features, in_features)
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, out_features: int,
                in_features: int) -> torch.Tensor:
-    groups = int_weight(weight, bits, out_features, in_features).reshape(out_features, -1, group_size)
-    return (groups.to(scales.dtype) * scales[..., None]).reshape(out_features, in_features)
+    lead = weight.shape[:-2]
+    groups = int_weight(weight, bits, out_features, in_features).reshape(*lead, out_features, -1, group_size)
+    return (groups.to(scales.dtype) * scales[..., None]).reshape(*lead, out_features, in_features)
+
+
+def quantize_rows(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integer weight, fp32 scales) of a float weight [..., out, in]: symmetric, zero point 0, one scale per
+    group of `group_size` consecutive inputs of each row; int4 is packed two to a byte (offset binary)."""
+    *lead, in_features = weight.shape
+    groups = weight.reshape(*lead, in_features // group_size, group_size)
+    qmax = INT8_MAX if bits == 8 else INT4_MAX
+    scale = (groups.abs().amax(dim=-1) / qmax).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.clamp(torch.round(groups / scale[..., None]), -qmax, qmax).to(torch.int8)
+    q = q.reshape(*lead, in_features)
+    if bits == 4:
+        nibbles = (q + 8).to(torch.uint8)  # offset binary: -7..7 -> 1..15
+        q = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # [..., out, in / 2] bytes
+    return q, scale
 
 
 class GroupQuantLinear(nn.Module):
@@ -84,15 +102,7 @@ class GroupQuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = module.in_features, module.out_features
         self.bits, self.group_size = bits, group_size
-        weight = module.weight.detach().float()
-        groups = weight.reshape(self.out_features, self.in_features // group_size, group_size)
-        qmax = INT8_MAX if bits == 8 else INT4_MAX
-        scale = (groups.abs().amax(dim=-1) / qmax).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.clamp(torch.round(groups / scale[..., None]), -qmax, qmax).to(torch.int8)
-        q = q.reshape(self.out_features, self.in_features)
-        if bits == 4:
-            nibbles = (q + 8).to(torch.uint8)  # offset binary: -7..7 -> 1..15
-            q = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # [out, in / 2] bytes
+        q, scale = quantize_rows(module.weight.detach().float(), bits, group_size)
         self.register_buffer("weight", q)
         # [out, in / group_size], in the weights' dtype: fp32 for an fp32 model, 16-bit when the model is
         # served in 16 bits (bf16-weights), as GPTQ/AWQ checkpoints store fp16 scales.
@@ -212,9 +222,16 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
         paths = {"torchao": 0, "hand-written": 0}
         groups_used: dict[int, int] = {}
         before = after = skipped = 0
+        # A mixture's router stays in its dtype, as quantised Mixtral checkpoints keep it (AutoAWQ's Mixtral:
+        # modules_to_not_convert = ["gate"]): a few bytes, and its rounding would send tokens to other experts.
+        from suites.techniques.expert import moe_layers
+
+        routers = {id(layer.router) for layer in moe_layers(run.model)}
 
         def convert(module: nn.Module) -> nn.Module | None:
             nonlocal before, after, skipped
+            if id(module) in routers:
+                return None
             group = _group_size(module.in_features, bits)
             if group is None:
                 skipped += 1
@@ -228,9 +245,13 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
             after += _bytes([*new.parameters(), *new.buffers()])
             return new
 
-        # A mixture of experts keeps its experts as batched matrices (one 3-d Parameter per projection).
-        experts = _bytes(p for p in run.model.parameters() if p.dim() >= 3)
         count = _replace(run.model, (nn.Linear,), convert)
+        # A mixture of experts keeps its experts as batched matrices (one [E, in, out] Parameter per projection),
+        # which the Linear path does not reach: quantised here the same way, per expert.
+        from suites.techniques.groupquant_experts import quantise_experts
+
+        matrices, matrices_kept, experts_before, experts_after = quantise_experts(run.model, bits)
+        before, after = before + experts_before, after + experts_after
         if not count:
             raise Unsupported(f"no nn.Linear of {run.workload.name} has in_features divisible into int{bits} groups")
         api, why = _torchao()
@@ -239,24 +260,17 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
         where = {8: "Int8WeightOnlyConfig(PerGroup)", 4: "Int4WeightOnlyConfig tinygemm (CUDA, bf16)"}[bits]
         sizes = ", ".join(f"{g} ({n} layers)" for g, n in sorted(groups_used.items(), reverse=True))
         kept = f"; {skipped} layers kept fp32 (in_features not divisible into groups)" if skipped else ""
+        if matrices_kept:
+            kept += f"; {matrices_kept} MoE expert matrices kept in their dtype (inputs not divisible into groups)"
+        experts = (f" and {matrices} MoE expert matrices (hand-written, per expert; the {len(routers)} routers "
+                   "kept)") if matrices else ""
         run.notes.append(
             f"group-quant int{bits} weight-only, group size {sizes} (default {GROUP_SIZES[bits]}; a narrower "
-            f"row is one group); {count} Linear layers: {path} [torchao path: {where}; {version}; hand-written: "
-            f"packed int{bits} + scales in the weights' dtype, one op that dequantises and multiplies]; "
-            f"{before:,} -> {after:,} bytes{kept}" + _untouched(before, experts))
+            f"row is one group); {count} Linear layers: {path}{experts} [torchao path: {where}; {version}; "
+            f"hand-written: packed int{bits} + scales in the weights' dtype, one op that dequantises and "
+            f"multiplies]; {before:,} -> {after:,} bytes{kept}")
 
     return apply
-
-
-def _untouched(quantised: int, experts: int) -> str:
-    """Where a mixture of experts holds more weight bytes in its batched expert matrices than the Linear
-    layers quantised, the row says they keep their dtype: weight-only quantisation of nn.Linear (torchao's
-    configs, this module) does not reach them, so the model is mostly unquantised. Both grow per block, so
-    the comparison holds on a depth-extrapolated trace too."""
-    if experts <= quantised:
-        return ""
-    return (f"; the MoE expert matrices' {experts:,} bytes (batched, not nn.Linear) keep their dtype: "
-            f"{quantised / (quantised + experts):.0%} of these weights were quantised")
 
 
 def _check_group(name: str):

@@ -89,8 +89,19 @@ class MoE(nn.Module):
                                                  requires_grad=weight.requires_grad))
         self.exchange = exchange
 
+    def expert_names(self) -> list[str]:
+        """The attributes holding the experts' matrices ([E, in, out]; `gate` only for SwiGLU experts)."""
+        return [name for name in ("up", "gate", "down") if getattr(self, name) is not None]
+
     def expert_parameters(self) -> list[nn.Parameter]:
-        return [p for p in (self.up, self.gate, self.down) if p is not None]
+        """The experts' trainable matrices (none once weight-only quantisation replaced them)."""
+        return [p for p in (getattr(self, name) for name in self.expert_names()) if isinstance(p, nn.Parameter)]
+
+    def _experts(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x [E, C, in] through each expert's `name` matrix: a batched matmul, or the module that replaced the
+        matrix (suites/techniques/groupquant_experts.py)."""
+        weight = getattr(self, name)
+        return torch.bmm(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, width = x.shape, x.shape[-1]
@@ -109,9 +120,9 @@ class MoE(nn.Module):
         routed = buffer[:-1].view(experts, capacity, width)
         if self.exchange is not None:
             routed = self.exchange.dispatch(routed)
-        hidden = torch.bmm(routed, self.up)
-        hidden = F.silu(torch.bmm(routed, self.gate)) * hidden if self.swiglu else F.gelu(hidden, approximate="tanh")
-        out = torch.bmm(hidden, self.down)
+        hidden = self._experts("up", routed)
+        hidden = F.silu(self._experts("gate", routed)) * hidden if self.swiglu else F.gelu(hidden, approximate="tanh")
+        out = self._experts("down", hidden)
         if self.exchange is not None:
             out = self.exchange.combine(out)
         out = torch.cat([out.reshape(experts * capacity, width), out.new_zeros(1, width)])
