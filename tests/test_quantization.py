@@ -317,6 +317,18 @@ def test_group_quant_stores_moe_expert_matrices_per_expert_and_keeps_the_router(
     assert error < (0.05 if bits == 8 else 0.3), error
 
 
+@pytest.mark.parametrize("technique", ["ptq-int8", "qat-int8"])
+def test_int8_techniques_say_they_leave_moe_expert_matrices_unquantised(technique):
+    # Their Linear/Conv2d layers do not include a mixture's batched expert matrices (most of its weights):
+    # the row must not read as a quantised model.
+    workload = WORKLOADS["gpt"]
+    spec = workload.sizes["moe-smoke"]
+    note = _run(workload, spec, workload.build(spec).eval(), "infer", technique).notes[-1]
+    assert "the MoE expert matrices'" in note and "keep their dtype" in note
+    dense, dense_spec, dense_model, _ = _setup("gpt")
+    assert "MoE expert" not in _run(dense, dense_spec, dense_model, "infer", technique).notes[-1]
+
+
 # --- checks --------------------------------------------------------------------------------------------
 
 

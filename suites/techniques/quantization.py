@@ -137,7 +137,19 @@ def _apply_qat(run: Run) -> None:
         frozen = "; ranges tracked by moving-average observers during training"
     run.notes.append(f"qat-int8: {count} Linear/Conv2d layers fake-quantised with torch.ao.quantization "
                      f"(weights per-channel symmetric int8, inputs per-tensor affine 8-bit){frozen}; "
-                     "BatchNorm not folded into convs")
+                     "BatchNorm not folded into convs" + experts_untouched(run.model))
+
+
+def experts_untouched(model: nn.Module) -> str:
+    """Where a mixture of experts keeps its experts as batched matrices (3-d Parameters, not nn.Linear or
+    Conv2d), the note says this technique leaves them in their dtype, and which techniques do quantise them
+    (read before the technique converts anything: the share is of the float model's weights)."""
+    experts = _bytes(p for p in model.parameters() if p.dim() >= 3)
+    if not experts:
+        return ""
+    share = experts / max(1, _bytes(model.parameters()))
+    return (f"; the MoE expert matrices' {experts:,} bytes ({share:.0%} of the weights; batched, not nn.Linear) "
+            "keep their dtype: group-quant and group-quant-int4 quantise them")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -250,6 +262,7 @@ class Int8Conv2d(_Int8Layer):
 
 def _apply_ptq(run: Run) -> None:
     types = (nn.Linear, nn.Conv2d)
+    untouched = experts_untouched(run.model)  # its share of the float model's weights
     observers: dict[int, tq.MinMaxObserver] = {}
     calls: dict[int, int] = {}
     hooks = []
@@ -302,7 +315,7 @@ def _apply_ptq(run: Run) -> None:
         f"on {CALIBRATION_BATCHES} batches of {min(run.batch_size, CALIBRATION_SAMPLES)} samples; weights int8 "
         f"per-channel symmetric, inputs int8 per-tensor affine; {before:,} -> {after:,} bytes in those layers; "
         "Linear matmul torch._int_mm (int8 x int8 -> int32) where it runs (CPU; CUDA with >16 rows and "
-        f"sizes multiple of 8), else the integer product in fp32; convs on dequantised operands{kept}")
+        f"sizes multiple of 8), else the integer product in fp32; convs on dequantised operands{kept}{untouched}")
 
 
 # ---------------------------------------------------------------------------------------------------
