@@ -96,6 +96,30 @@ def test_every_phase_peak_extrapolates_to_a_full_trace_when_the_forward_is_check
         assert all(v >= 0 for v in extrapolated.phase_at_peak[phase].values()), phase
 
 
+def test_a_phase_whose_peak_moment_switches_between_the_traced_depths_is_traced_one_layer_deeper(monkeypatch):
+    # At 2 layers the forward peaks mid-forward (activations), from 3 on at a moment holding gradients: the
+    # line through 2 and 3 would take activations negative. Traced at 3 and 4, the moment is the same.
+    from harness.project import depth as D
+    from harness.project.trace import StepTrace
+
+    def synthetic(cell, profile):
+        layers = cell.workload.depth(cell.spec)
+        forward = {"params": layers, "activations": 10} if layers == 2 else {"params": layers, "grads": layers}
+        peak = sum(forward.values())
+        return StepTrace(peak_bytes=peak, at_peak=forward, params_bytes=layers, grads_bytes=layers, optimizer_bytes=0,
+                         activations_bytes=0, events=[], phase_peaks={"forward": peak},
+                         phase_at_peak={"forward": forward})
+
+    monkeypatch.setattr(D, "traced", synthetic)
+    cell = _cell("gpt", "gpt2-124m")  # 12 layers
+    trace, logged, depths = D.traced_to_depth(cell, PROFILES["h100-sxm"])
+    assert depths == (3, 4) and logged.params_bytes == 4
+    assert trace.phase_peaks["forward"] == 24 and trace.phase_at_peak["forward"] == {"params": 12, "grads": 12}
+    consistent = [synthetic(cell.with_spec(cell.workload.with_depth(cell.spec, n)), None) for n in (3, 4)]
+    assert D.moment_switched(synthetic(cell.with_spec(cell.workload.with_depth(cell.spec, 2)), None), consistent[0])
+    assert not D.moment_switched(*consistent)
+
+
 def test_an_extrapolated_row_says_its_technique_notes_count_the_traced_layers():
     # A technique counts what it touched on the 3-layer model it was applied to; the row's figures are the
     # whole model's, so a note with such counts names the depth it was written at.

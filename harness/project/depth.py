@@ -28,7 +28,31 @@ def traced_to_depth(cell: ResolvedCell, profile) -> tuple[StepTrace, StepTrace, 
     low, high = TRACE_DEPTHS
     trace_low = traced(cell.with_spec(cell.workload.with_depth(cell.spec, low)), profile)
     trace_high = traced(cell.with_spec(cell.workload.with_depth(cell.spec, high)), profile)
-    return _extrapolated_trace(trace_low, trace_high, low, high, depth), trace_high, TRACE_DEPTHS
+    if moment_switched(trace_low, trace_high):
+        # A phase peaked at different moments at the two depths: a line through them joins two moments and
+        # can take a category negative. One layer deeper (still below the cell's depth) the moment has settled.
+        low, high, trace_low = high, high + 1, trace_high
+        trace_high = traced(cell.with_spec(cell.workload.with_depth(cell.spec, high)), profile)
+    return _extrapolated_trace(trace_low, trace_high, low, high, depth), trace_high, (low, high)
+
+
+# Bytes by which a category may shrink between the traced depths at the same moment: rounding, not a switch.
+_SHRINK_TOLERANCE = 2**20
+
+
+def moment_switched(a: StepTrace, b: StepTrace) -> bool:
+    """Whether a phase's peak falls at a different moment in the deeper trace `b` than in `a`. At the same
+    moment every category grows (or stays) with each added layer; a category that shrinks, or that is held
+    at one depth and absent at the other, marks a different moment (say mid-forward at one depth and the
+    optimizer's state at the other). A switch beyond the deeper traced depth cannot show here: what keeps
+    it from happening is that each phase is one part of the step (trace.py's phases)."""
+    for phase in set(a.phase_at_peak) & set(b.phase_at_peak):
+        at_a, at_b = a.phase_at_peak[phase], b.phase_at_peak[phase]
+        for category in set(at_a) | set(at_b):
+            x, y = at_a.get(category, 0), at_b.get(category, 0)
+            if y < x - max(_SHRINK_TOLERANCE, 0.01 * x) or (x > 0) != (y > 0):
+                return True
+    return False
 
 
 def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> float:
