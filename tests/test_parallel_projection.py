@@ -52,6 +52,17 @@ def test_each_technique_keeps_the_model_states_zero_says_it_does():
     assert offload.peak == 20 + 50 + 2 * 10 + 10 + 20 and offload.host == 25 + 25 + 50  # shards in host memory
 
 
+def test_a_rank_says_in_which_phase_it_peaks_and_what_temporaries_it_holds_there():
+    # The row's temporaries are the rank's at its own peak: DDP's whole optimizer-step scratch, nothing where a
+    # sharded rank peaks in the backward (the unsharded trace's peak, the optimizer step's, is not the rank's).
+    ddp, fsdp = _rank("data-parallel"), _rank("fsdp")
+    assert (ddp.phase, ddp.temporaries) == ("optimizer", 100)
+    assert (fsdp.phase, fsdp.temporaries) == ("backward_blocks", 0)
+    lean = rank_memory("fsdp", 4, {"optimizer": AT_PEAK["optimizer"]}, (100, 100, 200), block_params=10,
+                       block_grads=10)
+    assert (lean.phase, lean.temporaries) == ("optimizer", 25)  # the step's scratch, sharded with its parameters
+
+
 def test_a_pipeline_stage_holds_its_gradients_whole_and_fsdp_its_parameters_gathered_through_the_schedule():
     # torch.distributed.pipelining accumulates over the micro-batches with FSDP's resharding and gradient sync
     # off until the last backward: from the second micro-batch on, the stage holds every gradient unsharded,
@@ -91,7 +102,7 @@ def test_the_trace_splits_the_backward_where_the_first_gradient_reaches_a_block(
 
     cell = Cell("gpt", "smoke", "train", "baseline", "h100-sxm", 4, "projected").resolve(PROFILES)
     trace = traced(cell)
-    assert set(trace.phase_peaks) == {"forward", "backward", "backward_blocks", "optimizer"}
+    assert set(trace.phase_peaks) == {"forward", "backward", "backward_blocks", "backward_last_block", "optimizer"}
     workload = WORKLOADS["gpt"]
     model = workload.build(workload.sizes["smoke"])
     root = _root_bytes(model, workload, 4)  # fp32: embeddings, final norm, head
@@ -161,6 +172,7 @@ def test_fsdp_gathering_in_bf16_keeps_fp32_states_sends_less_and_drops_autocasts
     assert dropped == pytest.approx(2 * cast.memory.param_count, rel=0.1)
     assert gathered.speed.step_time_ms_p50 < cast.speed.step_time_ms_p50  # no cast kernels per op
     assert "bf16 gathers" in gathered.notes[0]
+    assert "autocast caches its 16-bit cast" in cast.notes[0] and "autocast caches" not in gathered.notes[0]
     # ZeRO-2 keeps the gathered bf16 copy whole from forward to backward (beside its fp32 shard), not fp32.
     zero2_cast, zero2 = projected("fsdp-zero2+amp-bf16"), projected("fsdp-zero2:mp=bf16+amp-bf16")
     n = cast.memory.param_count

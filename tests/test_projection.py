@@ -78,21 +78,29 @@ def test_depth_extrapolation_matches_a_full_trace_of_a_mid_size_model(workload_n
     assert all(abs(extrapolated.memory.reserved[s] / replayed[s] - 1) < 0.11 for s in replayed)
 
 
-@pytest.mark.parametrize("technique, seq_len", [("checkpointing", 256), ("amp-bf16+checkpointing", 64)])
-def test_every_phase_peak_extrapolates_to_a_full_trace_when_the_forward_is_checkpointed(technique, seq_len):
-    # Under checkpointing the forward keeps little, so the gradients left from the previous step (until
-    # zero_grad frees them) can outweigh it. Counted as the forward's, that moment was its peak at one traced
-    # depth and mid-forward at the other: extrapolating between the two took activations negative (these
-    # cells' forward peaks came out 12.5% and 3.7% low; gpt-70b under fsdp+amp-bf16+checkpointing on 64 GPUs
-    # read 49 GiB per rank at 6,144 tokens and 181 GiB at 7,168).
-    spec = dataclasses.replace(WORKLOADS["gpt"].sizes["gpt2-124m"], seq_len=seq_len, batch_size=1)
-    cell = _cell("gpt", "gpt2-124m", technique, batch=1, spec=spec)
+@pytest.mark.parametrize("workload_name, size, technique, seq_len, batch", [
+    ("gpt", "gpt2-124m", "checkpointing", 256, 1), ("gpt", "gpt2-124m", "amp-bf16+checkpointing", 64, 1),
+    ("bert", "bert-base", "amp-bf16", 512, 4), ("gpt", "gpt2-124m", "selective-checkpointing+amp-bf16", 1024, 4)])
+def test_every_phase_peak_extrapolates_to_a_full_trace(workload_name, size, technique, seq_len, batch):
+    # A phase must peak at the same moment at every depth for its peak to extrapolate. Two that did not:
+    # - Under checkpointing the forward keeps little, so the gradients left from the previous step (until
+    #   zero_grad frees them) can outweigh it. Counted as the forward's, that moment was its peak at one traced
+    #   depth and mid-forward at another (the first two cells' forward peaks came out 12.5% and 3.7% low;
+    #   gpt-70b under fsdp+amp-bf16+checkpointing on 64 GPUs read 49 GiB per rank at 6,144 tokens, 181 at 7,168).
+    # - Over the blocks' backward the live bytes move in a line from the first block's to the last block's,
+    #   and which end is higher changed with the depth: one phase for all blocks came out 15% and 14% low for
+    #   the last two cells.
+    spec = dataclasses.replace(WORKLOADS[workload_name].sizes[size], seq_len=seq_len, batch_size=batch)
+    cell = _cell(workload_name, size, technique, batch=batch, spec=spec)
     extrapolated = project(cell).trace
     full = traced(cell)
     assert "grads" not in {k for k, v in full.phase_at_peak["forward"].items() if v}
-    assert set(extrapolated.phase_peaks) == set(full.phase_peaks)
-    for phase, peak in full.phase_peaks.items():
-        assert extrapolated.phase_peaks[phase] == pytest.approx(peak, rel=0.005), phase
+    assert set(extrapolated.phase_peaks) == set(full.phase_peaks) - {"backward_middle"}
+    # Between the two ends of the blocks' backward nothing is higher than at one of them.
+    assert full.phase_peaks["backward_middle"] <= max(full.phase_peaks["backward_blocks"],
+                                                      full.phase_peaks["backward_last_block"])
+    for phase, peak in extrapolated.phase_peaks.items():
+        assert peak == pytest.approx(full.phase_peaks[phase], rel=0.005), phase
         assert all(v >= 0 for v in extrapolated.phase_at_peak[phase].values()), phase
 
 

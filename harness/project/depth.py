@@ -10,7 +10,7 @@ from dataclasses import astuple
 
 from harness.cell import ResolvedCell
 from harness.project.op_costs import OpShape
-from harness.project.trace import StepTrace, traced
+from harness.project.trace import BACKWARD_MIDDLE, StepTrace, traced
 from suites.techniques.offload import HostTraffic
 
 # Models deeper than this are traced at TRACE_DEPTHS layers and extrapolated.
@@ -46,7 +46,7 @@ def moment_switched(a: StepTrace, b: StepTrace) -> bool:
     at one depth and absent at the other, marks a different moment (say mid-forward at one depth and the
     optimizer's state at the other). A switch beyond the deeper traced depth cannot show here: what keeps
     it from happening is that each phase is one part of the step (trace.py's phases)."""
-    for phase in set(a.phase_at_peak) & set(b.phase_at_peak):
+    for phase in set(a.phase_at_peak) & set(b.phase_at_peak) - {BACKWARD_MIDDLE}:
         at_a, at_b = a.phase_at_peak[phase], b.phase_at_peak[phase]
         for category in set(at_a) | set(at_b):
             x, y = at_a.get(category, 0), at_b.get(category, 0)
@@ -66,8 +66,9 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         return _extrapolate(x, y, low, high, depth)
 
     # Each phase's peak is affine in the depth, the step's peak (their maximum) is not: the phase that
-    # peaks can change between the traced depths and the real one (the optimizer step's share grows).
-    phases = [p for p in b.phase_peaks if p in a.phase_peaks] or [None]
+    # peaks can change between the traced depths and the real one (the optimizer step's share grows). The
+    # middle blocks' backward peaks at neither end of its span, and never above both ends (trace.py).
+    phases = [p for p in b.phase_peaks if p in a.phase_peaks and p != BACKWARD_MIDDLE] or [None]
     peaks = {p: lin(a.phase_peaks[p], b.phase_peaks[p]) if p else lin(a.peak_bytes, b.peak_bytes) for p in phases}
     top = max(phases, key=lambda p: peaks[p])
     at_a, at_b = (a.phase_at_peak[top], b.phase_at_peak[top]) if top else (a.at_peak, b.at_peak)

@@ -71,6 +71,8 @@ class RankMemory:
     optimizer: int
     peak: int  # live bytes at the step's peak, as the trace counts them (before workspaces)
     host: int | None = None
+    phase: str = ""  # the trace's phase in which the rank peaks
+    temporaries: int = 0  # ... and the temporaries live there, as the rank holds them (the optimizer's sharded)
 
 
 def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[str, int]],
@@ -95,7 +97,7 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
     reshard_after_backward and gradient sync off). `buffers`: the stage's receive buffers, allocated for
     every micro-batch when the schedule starts and kept (pipelining's `_prepare_forward/backward_infra`).
 
-    The backward comes in two phases (trace.BACKWARD_PHASES): the loss and the head, then the repeated blocks.
+    The backward comes in phases (trace.BACKWARD_PHASES): the loss and the head, then the repeated blocks'.
     FSDP2 keeps the root module's parameters (`root_params` gathered bytes: embeddings, final norm, head)
     gathered from the forward to the end of the backward (`fully_shard(model, reshard_after_forward=False)`,
     its default for the root) and their gradients (`root_grads`) whole until the backward ends; its first
@@ -113,15 +115,16 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
             "zero1": (params, grads, sharded[2]), "fsdp-zero2": sharded, "fsdp": sharded,
             "cpu-offload": (0, 0, 0)}[technique]
     buckets = grads if technique in ("data-parallel", "zero1") else 0  # DDP's flat gradient buckets
+    blocks_backward = BACKWARD_PHASES[1:]  # a block's backward running: the first, the middle or the last one
     gathered = {"forward": GATHERED_BLOCKS * block_params + root_params,
                 "backward": (GATHERED_BLOCKS - 1) * block_params + root_params,
-                "backward_blocks": GATHERED_BLOCKS * block_params + block_grads + root_params}
+                **dict.fromkeys(blocks_backward, GATHERED_BLOCKS * block_params + block_grads + root_params)}
     if technique in (None, "data-parallel", "zero1"):
         gathered = {}  # replicas: nothing to gather
     elif technique == "fsdp-zero2":
         # Parameters gathered in the forward stay whole until the backward is done: by the forward's end
         # every block's are (counted as the whole parameters below); a block's gradients before scattering.
-        gathered = {"backward_blocks": block_grads}
+        gathered = dict.fromkeys(blocks_backward, block_grads)
     sharded_step = technique not in (None, "data-parallel")
     sharded_whole = technique in ("fsdp", "fsdp-zero2", "cpu-offload")
     if sharded_whole:
@@ -153,11 +156,24 @@ def rank_memory(technique: str | None, dp: int, phase_at_peak: dict[str, dict[st
             grads_now = root * gathered_share + (at.get("grads", 0) - root) * (kept[1] / grads if grads else 1.0)
         else:
             grads_now = scaled(at, "grads", grads, kept[1])
-        peaks.append(scaled(at, "params", params, kept_params) + grads_now
-                     + scaled(at, "optimizer", optimizer, kept[2]) + at.get("activations", 0) + held + temporaries
-                     + buckets + gathered.get(phase, 0) + buffers)
+        peaks.append((scaled(at, "params", params, kept_params) + grads_now
+                      + scaled(at, "optimizer", optimizer, kept[2]) + at.get("activations", 0) + held + temporaries
+                      + buckets + gathered.get(phase, 0) + buffers, phase, temporaries))
     host = sum(sharded) if technique == "cpu-offload" else None
-    return RankMemory(*kept, peak=round(max(peaks)), host=host)
+    peak, phase, temporaries = max(peaks)
+    return RankMemory(*kept, peak=round(peak), host=host, phase=phase, temporaries=round(temporaries))
+
+
+def _cast_cache_note(layout: Layout, trace, params: int) -> str:
+    """Under autocast, FSDP2 gathering fp32 blocks leaves autocast a 16-bit cast of every gathered weight to
+    cache until the forward ends (its cache keeps casts of leaf parameters that require grad), so each rank
+    holds up to the whole model in 16 bits; `mp=bf16` gathers in bf16 and autocast has nothing to cast."""
+    if layout.data_technique not in ("fsdp", "fsdp-zero2", "cpu-offload") or layout.gather_dtype \
+            or trace.precision not in ("bf16-mixed", "fp16-mixed"):
+        return ""
+    return (f"; autocast caches its 16-bit cast of every gathered fp32 weight until the forward ends (up to "
+            f"{params / 2 / 2**30:,.1f} GiB per rank by the forward's end): {layout.data_technique}:mp=bf16 gathers "
+            "in bf16 and caches none")
 
 
 def _kind(phase: str) -> str:
@@ -305,11 +321,14 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
              + (f"; sequence parallelism takes {saved / 2**20:,.0f} MiB off the forward's activations" if saved
                 else "")
              + (f"; model states moved as {technique} shards them (largest block {block / 2**20:,.0f} MiB)"
-                if block else ""), *memory.notes]
+                if block else "")
+             + f"; the rank peaks in the {rank.phase.replace('_', ' ')}"
+             + _cast_cache_note(layout, trace, memory.params),
+             *memory.notes]
     figures = MemoryFigures(
         peak_allocated=peak, peak_reserved=reserved, device_overhead=memory.overhead,
         library_workspaces=memory.workspaces, params=rank.params, grads=rank.grads, optimizer=rank.optimizer,
-        activations=memory.activations + in_flight, temporaries=memory.temporaries, param_count=trace.param_count,
+        activations=memory.activations + in_flight, temporaries=rank.temporaries, param_count=trace.param_count,
         host=rank.host)
     # FSDP2 gathers and scatters for every forward/backward pass: a pipeline's micro-batches, or the
     # passes grad-accumulation makes (DDP syncs once per step: Step runs the others under no_sync).

@@ -13,6 +13,7 @@ formulas), bytes touched and kernels launched, op by op, for the speed model (sp
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections import defaultdict
@@ -80,7 +81,8 @@ class StepTrace:
     param_count: int = 0  # parameters of the model the stack built (as a measured row counts them)
     micro_batches: int = 1  # forward/backward passes per optimizer step (grad-accumulation)
     # A served decoder's generation (generation_trace.py): ops in phases prefill, decode_first and
-    # decode_last; its KV cache's bytes and the bytes of tables a decode step reads one row of.
+    # decode_last; its KV cache's bytes and the weight bytes a decode step does not stream: tables it reads one
+    # row of, and the experts its tokens do not reach (a mixture of experts, served dropless).
     gen_len: int | None = None
     kv_cache_bytes: int = 0
     gathered_bytes: int = 0
@@ -298,6 +300,8 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             def mark(name: str) -> None:
                 costs.phase = tracker.phase = phase_after.get(name, costs.phase)
                 between_forwards(name)
+                if name == "forward_start":
+                    forward_started()
                 marks.setdefault(name, dict(tracker.by_category(), total=tracker.total))
 
             measured_from = len(tracker.events)
@@ -309,7 +313,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             # the forward's peak would switch between this moment and mid-forward as the depth grows, and
             # depth extrapolation from two small depths would join two different moments (depth.py).
             tracker.phase = "optimizer" if run.mode == "train" else "forward"
-            with tracker, costs, _blocks_backward_marked(run, tracker):
+            with tracker, costs, _blocks_backward_marked(run, tracker) as forward_started:
                 step(batch, mark=mark)
                 costs.flush()
             end = tracker.by_category()
@@ -335,35 +339,53 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         untraced=tuple(sorted({m.untraced_compute for m in run.model.modules() if hasattr(m, "untraced_compute")})))
 
 
-# The backward's memory phases: the loss and the model's layers after the repeated blocks (the head), then
-# the blocks and what comes before them. FSDP keeps different things gathered in each (parallel.py).
-BACKWARD_PHASES = ("backward", "backward_blocks")
+# The backward's memory phases: the loss and the model's layers after the repeated blocks (the head); the
+# first block's backward; the blocks between; the last block's backward (the first block in the forward) and
+# what comes before it. FSDP keeps different things gathered in each (parallel.py). Split so that each phase
+# peaks at the same moment at every depth: over the blocks' backward each block frees its activations and adds
+# its gradients, so the live bytes move in a straight line from the first block's backward to the last, and
+# which end is higher can change with the depth (bert-base at 512 tokens: the end at 2-3 layers, the start from
+# 4 on, so one phase for all blocks came out 15% low extrapolated to 12). Between the ends nothing is higher
+# than at one of them (identical blocks), so depth extrapolation leaves the middle out.
+BACKWARD_PHASES = ("backward", "backward_blocks", "backward_middle", "backward_last_block")
+BACKWARD_MIDDLE = "backward_middle"
 
 
 @contextlib.contextmanager
 def _blocks_backward_marked(run: Run, tracker: _RecordingMemTracker):
-    """Switch the tracker's phase from `backward` to `backward_blocks` when the first gradient reaches a
-    repeated block's output (a tensor hook: it adds no node to the graph, so the step traced is unchanged)."""
+    """Switch the tracker's backward phase as the gradient reaches each repeated block's output (a tensor
+    hook: it adds no node to the graph, so the step traced is unchanged): `backward_blocks` for the block the
+    forward called last, `backward_middle` for the ones between, `backward_last_block` for the one it called
+    first. Yields the function that starts counting a forward's block calls afresh (each micro-batch's)."""
 
     # The hooks stay on tensors the graph saves: a weak reference keeps them from tying the tracker (and what
     # it holds) into reference cycles, whose collection would free tensors at a time the allocation log records.
     tracker_ref = weakref.ref(tracker)
+    calls = [0]  # block calls in this forward (a recomputation in the backward is not one)
 
-    def on_gradient(gradient):
+    def on_gradient(number: int, gradient):
         tracker = tracker_ref()
-        if tracker is not None and tracker.phase == "backward":
-            tracker.phase = "backward_blocks"
+        if tracker is not None and tracker.phase in BACKWARD_PHASES:
+            tracker.phase = ("backward_last_block" if number == 0 else "backward_blocks"
+                             if number == calls[0] - 1 else BACKWARD_MIDDLE)
         return gradient
 
     def hook_outputs(module, inputs, output):
+        tracker = tracker_ref()
+        if tracker is None or tracker.phase != "forward":
+            return
+        number, calls[0] = calls[0], calls[0] + 1
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(on_gradient)
+                tensor.register_hook(functools.partial(on_gradient, number))
+
+    def forward_started() -> None:
+        calls[0] = 0
 
     blocks = run.workload.blocks(run.model) if run.mode == "train" and run.pipeline is None else []
     handles = [block.register_forward_hook(hook_outputs) for block in blocks]
     try:
-        yield
+        yield forward_started
     finally:
         for handle in handles:
             handle.remove()
