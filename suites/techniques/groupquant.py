@@ -109,6 +109,11 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("scales", scale.to(module.weight.dtype))
         self.register_buffer("bias", module.bias.detach().clone() if module.bias is not None else None)
 
+    @property
+    def quantised_parameters(self) -> int:
+        """The parameters the integer weight stands for (suites/workloads/base.py, count_parameters)."""
+        return self.out_features * self.in_features + (self.bias.numel() if self.bias is not None else 0)
+
     def int_weight(self) -> torch.Tensor:
         """The integer weight [out, in] as int8 (int4 values unpacked)."""
         return int_weight(self.weight, self.bits, self.out_features, self.in_features)

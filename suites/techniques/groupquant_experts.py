@@ -47,6 +47,11 @@ class GroupQuantExperts(nn.Module):
         self.register_buffer("weight", q)  # [E, out, in] int8, or [E, out, in / 2] packed int4
         self.register_buffer("scales", scale.to(weight.dtype))  # [E, out, in / group], the weights' dtype
 
+    @property
+    def quantised_parameters(self) -> int:
+        """The parameters the integer matrices stand for (suites/workloads/base.py, count_parameters)."""
+        return self.experts * self.in_features * self.out_features
+
     def dequantize(self) -> torch.Tensor:
         """The float matrices [E, in, out], as the layer multiplies by them."""
         return dequantize(self.weight, self.scales, self.bits, self.group_size, self.out_features,

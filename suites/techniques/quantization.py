@@ -198,6 +198,7 @@ class _Int8Layer(nn.Module):
 
     def _store(self, module: Quantisable, act_scale: torch.Tensor, act_zero_point: torch.Tensor) -> None:
         weight = module.weight.detach().float()
+        self.float_bias = module.bias is not None  # counted as a parameter, as it was one (quantised_parameters)
         scale = _symmetric_scale(weight.flatten(1).abs().amax(dim=1))  # one per output channel
         shape = (-1,) + (1,) * (weight.dim() - 1)
         q = torch.clamp(torch.round(weight / scale.view(shape)), INT8_MIN, INT8_MAX).to(torch.int8)
@@ -205,6 +206,12 @@ class _Int8Layer(nn.Module):
         self.register_buffer("weight_scale", scale)                           # fp32 [out]
         self.register_buffer("input_scale", act_scale.float().reshape(()))    # per layer
         self.register_buffer("input_zero_point", act_zero_point.int().reshape(()))
+
+    @property
+    def quantised_parameters(self) -> int:
+        """The parameters the int8 weight (and the bias it folds) stand for (suites/workloads/base.py,
+        count_parameters)."""
+        return self.weight.numel() + (self.weight.shape[0] if self.float_bias else 0)
 
 
 class Int8Linear(_Int8Layer):

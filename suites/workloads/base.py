@@ -255,5 +255,8 @@ class Workload:
 
 
 def count_parameters(model: nn.Module) -> int:
-    """Unique parameters (tied weights counted once, as published counts do)."""
-    return sum(p.numel() for p in model.parameters())
+    """Unique parameters (tied weights counted once, as published counts do). A quantised layer keeps its
+    weights as integer buffers: they count as the parameters they stand for (`quantised_parameters`), as
+    torchao's quantised weights, which stay Parameters, count as theirs."""
+    return sum(p.numel() for p in model.parameters()) + sum(
+        getattr(module, "quantised_parameters", 0) for module in model.modules())
