@@ -26,6 +26,7 @@ from harness.project.trace import (
 from suites.step import Step
 from suites.techniques import Run
 from suites.workloads.base import count_parameters
+from suites.workloads.moe import unread_expert_bytes
 
 
 def trace_generation(cell: ResolvedCell, profile) -> StepTrace:
@@ -77,4 +78,5 @@ def trace_generation(cell: ResolvedCell, profile) -> StepTrace:
         first_matmul_at=tuple(first_matmuls.at.values())[:1], measured_from=measured_from,
         param_count=count_parameters(run.model),
         untraced=tuple(sorted({m.untraced_compute for m in run.model.modules() if hasattr(m, "untraced_compute")})),
-        gen_len=spec.gen_len, kv_cache_bytes=kv_bytes, gathered_bytes=workload.serving.gathered_bytes(run.model))
+        gen_len=spec.gen_len, kv_cache_bytes=kv_bytes, gathered_bytes=workload.serving.gathered_bytes(run.model)
+        + unread_expert_bytes(run.model, run.batch_size))

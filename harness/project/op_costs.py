@@ -18,6 +18,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from harness.measure.tensors import leaves, nbytes
 from harness.project import fused_norms
+from suites.workloads.moe import experts_touched
 
 
 @dataclass
@@ -96,6 +97,8 @@ def _aligned(name: str, args, dtype: str) -> bool:
     if op_class(name) != "matmul" or dtype not in ("bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"):
         return True
     granule = 16 if dtype in ("int8", "float8_e4m3fn", "float8_e5m2") else 8
+    if name == "headroom.routed_expert_mm":  # its GEMMs are each expert's tokens by [in, out] (x's k is not one)
+        return all(int(d) % granule == 0 for d in (args[0].shape[-1], *args[2].shape[-2:]))
     dims = [d for t in args if isinstance(t, torch.Tensor) and t.dim() >= 2 for d in t.shape[-2:]]
     return all(int(d) % granule == 0 for d in dims)
 
@@ -199,6 +202,9 @@ class _OpCostMode(TorchDispatchMode):
             # by the dequantised weight (per expert for the batched one), in x's dtype; its bytes are the
             # packed weight's, as the kernel reads them.
             flops = 2.0 * args[0].numel() * args[1].shape[-2]
+        elif name == "headroom.routed_expert_mm":
+            # (x [T, k, in], chosen [T, k], weight, scales, bits, group) -> [T, k, out]: each token's k rows.
+            flops = 2.0 * args[0].numel() * outputs[0].shape[-1]
         elif packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
         elif "scaled_dot_product" in name and ("for_cpu" in name or func.namespace == "headroom"):
@@ -213,12 +219,24 @@ class _OpCostMode(TorchDispatchMode):
                 if self._in_registers(t):
                     self._store(id(t))
             moved = sum(nbytes(t) for t in inputs + outputs)
+        if name == "headroom.routed_expert_mm":
+            moved = _routed_expert_bytes(args, outputs[0])
         kernels = foreach_kernels(args) if multi_tensor else 1
         nchw = _nchw(inputs + outputs) if op_class(name) == "conv" else []
         shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
                         _aligned(name, args, dtype), fusing, float(sum(nbytes(t) for t in nchw)), len(nchw))
         self.ops[shape] += 1
         return out
+
+
+def _routed_expert_bytes(args, out: torch.Tensor) -> float:
+    """A dropless MoE matmul's bytes: the tokens' rows in and out, and the weights (and scales) of the experts
+    its tokens reach, as many as uniform routing touches on average (suites/workloads/moe.py)."""
+    x, chosen, weight, scales = args[:4]
+    tokens, top_k = chosen.shape
+    share = experts_touched(weight.shape[0], top_k, tokens) / weight.shape[0]
+    return nbytes(x) + nbytes(chosen) + nbytes(out) \
+        + share * (nbytes(weight) + nbytes(scales))
 
 
 def compiled_optimizer_ops(optimizer: torch.optim.Optimizer) -> dict[OpShape, int]:

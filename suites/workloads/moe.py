@@ -62,6 +62,53 @@ class ExpertExchange:
         return self._all_to_all(parts).reshape(local * self.ranks, tokens // self.ranks, width)
 
 
+def experts_touched(experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of distinct experts `tokens` tokens route to, each to `top_k` of `experts` (uniform
+    routing): what a dropless kernel reads of the expert weights. One decoded token reads k of E experts;
+    a batch of tokens soon reads them all."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+# Dropless routed matmul, as serving engines run a mixture of experts (vLLM's and SGLang's fused MoE kernels,
+# HF Transformers' Mixtral): each token's k chosen experts' matrices only, so a decode step reads the chosen
+# experts' weights, not every expert's. One custom op, so the projection's trace costs it as that kernel
+# (harness/project/op_costs.py); the body is the reference arithmetic, one matmul per chosen expert. Written
+# by hand: PyTorch has no grouped MoE matmul.
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+@torch.library.custom_op("headroom::routed_expert_mm", mutates_args=())
+def routed_expert_mm(x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bits: int,
+                     group_size: int) -> torch.Tensor:
+    """x [T, k, in] (each token's input to each of its k experts) times its chosen experts' matrices -> [T, k, out].
+    `weight` is [E, in, out] floats (bits 16), or [E, out, in] integers with group scales (groupquant_experts)."""
+    out_features = weight.shape[2] if bits == 16 else weight.shape[1]
+    out = x.new_zeros((*chosen.shape, out_features))
+    # Picking each expert's rows needs their count on the host, which a CUDA graph being captured (compiled
+    # serving) cannot wait for: there every expert multiplies every row and keeps its own, in fixed shapes.
+    capturing = _capturing(x)
+    for expert in range(weight.shape[0]) if capturing else chosen.unique().tolist():
+        if bits == 16:
+            matrix = weight[expert]
+        else:
+            from suites.techniques.groupquant import dequantize  # a workload does not import techniques at load
+
+            in_features = weight.shape[2] * (2 if bits == 4 else 1)
+            matrix = dequantize(weight[expert], scales[expert], bits, group_size, out_features, in_features).t()
+        if capturing:
+            out += (x @ matrix.to(x.dtype)) * (chosen == expert).unsqueeze(-1).to(x.dtype)
+        else:
+            rows, slots = (chosen == expert).nonzero(as_tuple=True)
+            out[rows, slots] = x[rows, slots] @ matrix.to(x.dtype)
+    return out
+
+
+@routed_expert_mm.register_fake
+def _routed_expert_mm_fake(x, chosen, weight, scales, bits, group_size):
+    return x.new_empty((*chosen.shape, weight.shape[2] if bits == 16 else weight.shape[1]))
+
+
 class MoE(nn.Module):
     """Top-k routed experts in place of a block's MLP (see the module docstring)."""
 
@@ -103,7 +150,29 @@ class MoE(nn.Module):
         weight = getattr(self, name)
         return torch.bmm(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
 
+    def _routed(self, name: str, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """x [T, k, in] through each token's chosen experts' `name` matrices (dropless)."""
+        weight = getattr(self, name)
+        if isinstance(weight, torch.Tensor):
+            return routed_expert_mm(x, chosen, weight, weight.new_empty(0), 16, 0)
+        return routed_expert_mm(x, chosen, weight.weight, weight.scales, weight.bits, weight.group_size)
+
+    def _served(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference without capacity: every token reaches its k experts, as serving engines run it."""
+        shape, width = x.shape, x.shape[-1]
+        tokens = x.reshape(-1, width)
+        scores, chosen = self.router(tokens).float().topk(self.top_k, dim=-1)  # [T, k]
+        weights = scores.softmax(dim=-1)
+        routed = tokens.unsqueeze(1).expand(-1, self.top_k, -1)
+        hidden = self._routed("up", routed, chosen)
+        hidden = F.silu(self._routed("gate", routed, chosen)) * hidden if self.swiglu else \
+            F.gelu(hidden, approximate="tanh")
+        out = self._routed("down", hidden, chosen)
+        return (out * weights.unsqueeze(-1).to(out.dtype)).sum(1).view(shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and self.exchange is None:
+            return self._served(x)
         shape, width = x.shape, x.shape[-1]
         tokens = x.reshape(-1, width)
         count, k, experts = tokens.shape[0], self.top_k, self.experts
@@ -128,3 +197,17 @@ class MoE(nn.Module):
         out = torch.cat([out.reshape(experts * capacity, width), out.new_zeros(1, width)])
         mixed = (out[slot] * weights.t().reshape(-1, 1).to(out.dtype)).view(k, count, width).sum(0)
         return mixed.view(shape)
+
+
+def unread_expert_bytes(model: nn.Module, tokens: int) -> int:
+    """Bytes of expert weights a step of `tokens` tokens does not read (served dropless): each MoE layer's
+    expert matrices, stored as they are (floats, or integers and scales), less the experts the tokens reach."""
+    unread = 0.0
+    for layer in (m for m in model.modules() if isinstance(m, MoE)):
+        stored = 0
+        for name in layer.expert_names():
+            weight = getattr(layer, name)
+            tensors = [weight] if isinstance(weight, torch.Tensor) else list(weight.buffers())
+            stored += sum(t.numel() * t.element_size() for t in tensors)
+        unread += stored * (1 - experts_touched(layer.experts, layer.top_k, tokens) / layer.experts)
+    return round(unread)
