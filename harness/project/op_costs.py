@@ -197,11 +197,10 @@ class _OpCostMode(TorchDispatchMode):
             # operands are not floating point, so its dtype is named here.
             (m, k), n = args[0].shape, args[1].shape[1]
             flops, dtype = 2.0 * m * k * n, "int8"
-        elif name in ("headroom.weight_only_linear", "headroom.weight_only_bmm"):
-            # (x [..., in], packed integer weight [..., out, in or in / 2], scales, bits, group): a GEMM of x
-            # by the dequantised weight (per expert for the batched one), in x's dtype; its bytes are the
-            # packed weight's, as the kernel reads them.
-            flops = 2.0 * args[0].numel() * args[1].shape[-2]
+        elif name == "headroom.weight_only_linear":
+            # (x [..., in], packed integer weight [out, ...], scales, bits, group): a GEMM of x by the
+            # dequantised weight, in x's dtype; its bytes are the packed weight's, as the kernel reads them.
+            flops = 2.0 * args[0].numel() * args[1].shape[0]
         elif name == "headroom.routed_expert_mm":
             # (x [T, k, in], chosen [T, k], weight, scales, bits, group) -> [T, k, out]: each token's k rows.
             flops = 2.0 * args[0].numel() * outputs[0].shape[-1]

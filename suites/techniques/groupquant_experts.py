@@ -3,7 +3,8 @@
 A MoE layer keeps each projection of its E experts as one [E, in, out] Parameter that torch.bmm multiplies
 (suites/workloads/moe.py); in Mixtral-8x7B they are 96% of the weights. Each expert's matrix is stored the
 way `group-quant` stores a Linear weight: int8, or int4 packed two to a byte, one scale per group of G
-inputs of each output, dequantised inside the batched matmul.
+inputs of each output. Served, the layer multiplies by them in its routed matmul (suites/workloads/moe.py,
+headroom::routed_expert_mm), which reads only the experts its tokens reach and dequantises them there.
 
 Written by hand: torchao's weight-only configs quantise nn.Linear, and its MoE quantisation
 (torchao.prototype.moe_quant) converts its own MoE module types, not this layer.
@@ -17,27 +18,10 @@ from torch import nn
 from suites.techniques.groupquant import _group_size, dequantize, quantize_rows
 
 
-# One custom op, like headroom::weight_only_linear: the projection's trace sees the batched weight-only
-# kernel (read the packed weights and scales, dequantise in registers, multiply) and costs it from its
-# operands (harness/project/op_costs.py). The CPU body is the reference arithmetic.
-@torch.library.custom_op("headroom::weight_only_bmm", mutates_args=())
-def weight_only_bmm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bits: int,
-                    group_size: int) -> torch.Tensor:
-    """x [E, C, in] times each expert's dequantised weight ([E, out, in] stored) -> [E, C, out]."""
-    out_features = weight.shape[1]
-    in_features = weight.shape[2] * (2 if bits == 4 else 1)
-    dense = dequantize(weight, scales, bits, group_size, out_features, in_features)
-    return torch.bmm(x, dense.transpose(1, 2).to(x.dtype))
-
-
-@weight_only_bmm.register_fake
-def _weight_only_bmm_fake(x, weight, scales, bits, group_size):
-    return x.new_empty((*x.shape[:-1], weight.shape[1]))
-
-
 class GroupQuantExperts(nn.Module):
     """One projection of E experts, [E, in, out] as torch.bmm takes it, stored per expert as an integer
-    [out, in] matrix with one scale per group of inputs (GroupQuantLinear's layout, batched)."""
+    [out, in] matrix with one scale per group of inputs (GroupQuantLinear's layout, batched). It holds them
+    and is not called: the MoE layer multiplies by them (MoE._routed)."""
 
     def __init__(self, weight: torch.Tensor, bits: int, group_size: int):
         super().__init__()
@@ -56,9 +40,6 @@ class GroupQuantExperts(nn.Module):
         """The float matrices [E, in, out], as the layer multiplies by them."""
         return dequantize(self.weight, self.scales, self.bits, self.group_size, self.out_features,
                           self.in_features).transpose(1, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_only_bmm(x, self.weight, self.scales, self.bits, self.group_size)
 
     def extra_repr(self) -> str:
         return (f"experts={self.experts}, in_features={self.in_features}, out_features={self.out_features}, "

@@ -145,10 +145,11 @@ class MoE(nn.Module):
         return [p for p in (getattr(self, name) for name in self.expert_names()) if isinstance(p, nn.Parameter)]
 
     def _experts(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """x [E, C, in] through each expert's `name` matrix: a batched matmul, or the module that replaced the
-        matrix (suites/techniques/groupquant_experts.py)."""
+        """x [E, C, in] through each expert's `name` matrix: a batched matmul. A matrix that weight-only
+        quantisation replaced (suites/techniques/groupquant_experts.py) is dequantised first: only with gradients
+        on, since a served model goes through `_routed`."""
         weight = getattr(self, name)
-        return torch.bmm(x, weight) if isinstance(weight, torch.Tensor) else weight(x)
+        return torch.bmm(x, weight if isinstance(weight, torch.Tensor) else weight.dequantize().to(x.dtype))
 
     def _routed(self, name: str, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x [T, k, in] through each token's chosen experts' `name` matrices (dropless)."""
