@@ -66,3 +66,26 @@ def test_a_served_step_does_not_read_the_experts_its_tokens_do_not_reach():
     top_k, count = layers[0].top_k, layers[0].experts
     assert M.unread_expert_bytes(model, 1) == round(experts * (1 - top_k / count))
     assert M.unread_expert_bytes(model, 256) < 1e-6 * experts
+
+
+def test_a_served_layer_under_autocast_computes_its_experts_in_autocasts_dtype():
+    # The routed op has no autocast rule: its input is cast as the capacity path's bmm would be.
+    layer, x = _layer(capacity_factor=1.0), torch.randn(6, 16)
+    with torch.no_grad():
+        reference = layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            served = layer(x)
+    assert served.dtype == torch.bfloat16
+    assert (served.float() - reference).norm() < 0.02 * reference.norm()
+
+
+def test_the_graph_safe_branch_keeps_an_unchosen_experts_overflow_out(monkeypatch):
+    layer, x = _layer(capacity_factor=1.0), torch.randn(5, 16).abs()
+    with torch.no_grad():
+        layer.router.weight[3] = -1.0  # positive inputs: expert 3 scores lowest for every token
+        picked = layer(x)
+        layer.up[3].fill_(3e38)  # its products overflow to inf, and silu(-inf) * inf is NaN
+        layer.gate[3].fill_(-3e38)
+        monkeypatch.setattr(M, "_capturing", lambda tensor: True)
+        fixed = layer(x)
+    assert torch.isfinite(fixed).all() and torch.allclose(picked, fixed, rtol=1e-4, atol=1e-7)

@@ -23,6 +23,7 @@ from suites.workloads import WORKLOADS
 
 PROFILES = load_profiles()
 MiB = 2**20
+GiB = 2**30
 
 
 def _cell(workload: str, size: str, technique: str = "baseline", mode: str = "train", batch: int | None = None,
@@ -80,7 +81,8 @@ def test_depth_extrapolation_matches_a_full_trace_of_a_mid_size_model(workload_n
 
 @pytest.mark.parametrize("workload_name, size, technique, seq_len, batch", [
     ("gpt", "gpt2-124m", "checkpointing", 256, 1), ("gpt", "gpt2-124m", "amp-bf16+checkpointing", 64, 1),
-    ("bert", "bert-base", "amp-bf16", 512, 4), ("gpt", "gpt2-124m", "selective-checkpointing+amp-bf16", 1024, 4)])
+    ("bert", "bert-base", "amp-bf16", 512, 4), ("gpt", "gpt2-124m", "selective-checkpointing+amp-bf16", 1024, 4),
+    ("gpt", "gpt2-124m", "param-sharing+amp-bf16", 512, 2)])  # its block list repeats one module
 def test_every_phase_peak_extrapolates_to_a_full_trace(workload_name, size, technique, seq_len, batch):
     # A phase must peak at the same moment at every depth for its peak to extrapolate. Two that did not:
     # - Under checkpointing the forward keeps little, so the gradients left from the previous step (until
@@ -112,7 +114,8 @@ def test_a_phase_whose_peak_moment_switches_between_the_traced_depths_is_traced_
 
     def synthetic(cell, profile):
         layers = cell.workload.depth(cell.spec)
-        forward = {"params": layers, "activations": 10} if layers == 2 else {"params": layers, "grads": layers}
+        forward = {"params": layers * GiB, "activations": 10 * GiB} if layers == 2 else \
+            {"params": layers * GiB, "grads": layers * GiB}
         peak = sum(forward.values())
         return StepTrace(peak_bytes=peak, at_peak=forward, params_bytes=layers, grads_bytes=layers, optimizer_bytes=0,
                          activations_bytes=0, events=[], phase_peaks={"forward": peak},
@@ -122,7 +125,8 @@ def test_a_phase_whose_peak_moment_switches_between_the_traced_depths_is_traced_
     cell = _cell("gpt", "gpt2-124m")  # 12 layers
     trace, logged, depths = D.traced_to_depth(cell, PROFILES["h100-sxm"])
     assert depths == (3, 4) and logged.params_bytes == 4
-    assert trace.phase_peaks["forward"] == 24 and trace.phase_at_peak["forward"] == {"params": 12, "grads": 12}
+    assert trace.phase_peaks["forward"] == 24 * GiB
+    assert trace.phase_at_peak["forward"] == {"params": 12 * GiB, "grads": 12 * GiB}
     consistent = [synthetic(cell.with_spec(cell.workload.with_depth(cell.spec, n)), None) for n in (3, 4)]
     assert D.moment_switched(synthetic(cell.with_spec(cell.workload.with_depth(cell.spec, 2)), None), consistent[0])
     assert not D.moment_switched(*consistent)

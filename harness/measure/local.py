@@ -34,6 +34,7 @@ from suites.techniques.adapters import store_frozen_in
 from suites.techniques.offload import host_state_bytes
 from suites.workloads.base import count_parameters
 from suites.workloads.fragmentation import loop_specs
+from suites.workloads.moe import unread_expert_bytes
 
 # Extra warm-up steps allowed for fp16 loss scaling to settle (each overflow halves the scale).
 MAX_SCALER_WARMUP = 30
@@ -151,7 +152,8 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
             gen_len=spec.gen_len, ttft_ms=generation.ttft_ms, decode_ms_p50=generation.decode_percentile_ms(0.5),
             decode_ms_p90=generation.decode_percentile_ms(0.9),
             decode_ms_mean=generation.decode_mean_s * 1e3 if generation.decode_mean_s else None,
-            streamed_bytes=parameter_bytes(run.model) - workload.serving.gathered_bytes(run.model))
+            streamed_bytes=parameter_bytes(run.model) - workload.serving.gathered_bytes(run.model)
+            - unread_expert_bytes(run.model, run.batch_size))
     # ru_maxrss is in KiB on Linux: the process's peak resident memory, a check on everything above.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # On an accelerator, state kept in host memory (FSDP2's CPU offload, the offloaded optimizer) is the

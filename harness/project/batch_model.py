@@ -74,7 +74,7 @@ class BatchModel:
         self.cell, self.low, self.high = cell, low, high
         self.profile = cell.profile.per_device()
         self.at_low = traced_to_depth(cell.with_batch(low), self.profile)
-        self.at_high = traced_to_depth(cell.with_batch(high), self.profile)
+        self.at_high = traced_to_depth(cell.with_batch(high), self.profile, depths=self.at_low[2])
 
     def memory(self, batch: int) -> MemoryProjection | None:
         (trace_a, logged_a, depths), (trace_b, logged_b, _) = self.at_low, self.at_high

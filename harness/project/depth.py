@@ -18,17 +18,19 @@ EXTRAPOLATE_ABOVE = 4
 TRACE_DEPTHS = (2, 3)
 
 
-def traced_to_depth(cell: ResolvedCell, profile) -> tuple[StepTrace, StepTrace, tuple[int, ...]]:
+def traced_to_depth(cell: ResolvedCell, profile, depths: tuple[int, ...] = ()) -> tuple[StepTrace, StepTrace,
+                                                                                       tuple[int, ...]]:
     """(the cell's step trace, the trace whose allocation log stands for it, the depths extrapolated
-    from): traced whole, or at TRACE_DEPTHS and extrapolated to the cell's depth."""
+    from): traced whole, or at TRACE_DEPTHS and extrapolated to the cell's depth. `depths`: extrapolate from
+    these (another batch's), so that two batches' logs line up event for event (batch_model.py)."""
     depth = cell.workload.depth(cell.spec)
     if depth is None or depth <= EXTRAPOLATE_ABOVE:
         trace = traced(cell, profile)
         return trace, trace, ()
-    low, high = TRACE_DEPTHS
+    low, high = depths or TRACE_DEPTHS
     trace_low = traced(cell.with_spec(cell.workload.with_depth(cell.spec, low)), profile)
     trace_high = traced(cell.with_spec(cell.workload.with_depth(cell.spec, high)), profile)
-    if moment_switched(trace_low, trace_high):
+    if not depths and moment_switched(trace_low, trace_high):
         # A phase peaked at different moments at the two depths: a line through them joins two moments and
         # can take a category negative. One layer deeper (still below the cell's depth) the moment has settled.
         low, high, trace_low = high, high + 1, trace_high
@@ -50,7 +52,7 @@ def moment_switched(a: StepTrace, b: StepTrace) -> bool:
         at_a, at_b = a.phase_at_peak[phase], b.phase_at_peak[phase]
         for category in set(at_a) | set(at_b):
             x, y = at_a.get(category, 0), at_b.get(category, 0)
-            if y < x - max(_SHRINK_TOLERANCE, 0.01 * x) or (x > 0) != (y > 0):
+            if y < x - max(_SHRINK_TOLERANCE, 0.01 * x) or (min(x, y) == 0 and max(x, y) > _SHRINK_TOLERANCE):
                 return True
     return False
 

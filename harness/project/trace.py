@@ -374,16 +374,19 @@ def _blocks_backward_marked(run: Run, tracker: _RecordingMemTracker):
         tracker = tracker_ref()
         if tracker is None or tracker.phase != "forward":
             return
-        number, calls[0] = calls[0], calls[0] + 1
-        for tensor in tree_flatten(output)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(functools.partial(on_gradient, number))
+        # The block's hidden states (its first output needing a gradient); others (a router's logits for an
+        # auxiliary loss) can get theirs while the head's backward still runs.
+        hidden = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if hidden is not None:
+            hidden.register_hook(functools.partial(on_gradient, calls[0]))
+            calls[0] += 1
 
     def forward_started() -> None:
         calls[0] = 0
 
     blocks = run.workload.blocks(run.model) if run.mode == "train" and run.pipeline is None else []
-    handles = [block.register_forward_hook(hook_outputs) for block in blocks]
+    # One hook per module: a list that repeats a module (a shared layer) calls it once per position.
+    handles = [block.register_forward_hook(hook_outputs) for block in {id(b): b for b in blocks}.values()]
     try:
         yield forward_started
     finally:

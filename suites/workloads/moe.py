@@ -96,11 +96,11 @@ def routed_expert_mm(x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor
 
             in_features = weight.shape[2] * (2 if bits == 4 else 1)
             matrix = dequantize(weight[expert], scales[expert], bits, group_size, out_features, in_features).t()
-        if capturing:
-            out += (x @ matrix.to(x.dtype)) * (chosen == expert).unsqueeze(-1).to(x.dtype)
+        if capturing:  # where, not a 0/1 product: an unchosen expert's overflow (inf * 0) would give NaN
+            out = torch.where((chosen == expert).unsqueeze(-1), (x @ matrix.to(x.dtype)).to(out.dtype), out)
         else:
             rows, slots = (chosen == expert).nonzero(as_tuple=True)
-            out[rows, slots] = x[rows, slots] @ matrix.to(x.dtype)
+            out[rows, slots] = (x[rows, slots] @ matrix.to(x.dtype)).to(out.dtype)
     return out
 
 
@@ -165,6 +165,10 @@ class MoE(nn.Module):
         scores, chosen = self.router(tokens).float().topk(self.top_k, dim=-1)  # [T, k]
         weights = scores.softmax(dim=-1)
         routed = tokens.unsqueeze(1).expand(-1, self.top_k, -1)
+        if torch.is_autocast_enabled(x.device.type):
+            # Autocast has no rule for the custom op: its inputs are cast as a matmul's would be (the capacity
+            # path's bmm), so it computes, and the projection costs it, in autocast's dtype.
+            routed = routed.to(torch.get_autocast_dtype(x.device.type))
         hidden = self._routed("up", routed, chosen)
         hidden = F.silu(self._routed("gate", routed, chosen)) * hidden if self.swiglu else \
             F.gelu(hidden, approximate="tanh")
