@@ -20,6 +20,7 @@ from torch.ao.nn import qat
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from suites.techniques.base import Phase, Run, Technique, Unsupported, always
+from suites.workloads.moe import MoE
 
 # Calibration (ptq-int8, and qat-int8's observers before inference): this many batches of at most
 # CALIBRATION_SAMPLES samples each, drawn from the workload with a generator of its own so they are
@@ -141,10 +142,10 @@ def _apply_qat(run: Run) -> None:
 
 
 def experts_untouched(model: nn.Module) -> str:
-    """Where a mixture of experts keeps its experts as batched matrices (3-d Parameters, not nn.Linear or
-    Conv2d), the note says this technique leaves them in their dtype, and which techniques do quantise them
-    (read before the technique converts anything: the share is of the float model's weights)."""
-    experts = _bytes(p for p in model.parameters() if p.dim() >= 3)
+    """Where a mixture of experts keeps its experts as batched matrices (not nn.Linear or Conv2d), the note says
+    this technique leaves them in their dtype, and which techniques do quantise them (read before the technique
+    converts anything: the share is of the float model's weights)."""
+    experts = _bytes(p for layer in model.modules() if isinstance(layer, MoE) for p in layer.expert_parameters())
     if not experts:
         return ""
     share = experts / max(1, _bytes(model.parameters()))

@@ -69,15 +69,16 @@ def experts_touched(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on x's device (compiled serving): no host reads allowed."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 # Dropless routed matmul, as serving engines run a mixture of experts (vLLM's and SGLang's fused MoE kernels,
 # HF Transformers' Mixtral): each token's k chosen experts' matrices only, so a decode step reads the chosen
 # experts' weights, not every expert's. One custom op, so the projection's trace costs it as that kernel
 # (harness/project/op_costs.py); the body is the reference arithmetic, one matmul per chosen expert. Written
 # by hand: PyTorch has no grouped MoE matmul.
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 @torch.library.custom_op("headroom::routed_expert_mm", mutates_args=())
 def routed_expert_mm(x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bits: int,
                      group_size: int) -> torch.Tensor:
