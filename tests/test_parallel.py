@@ -74,16 +74,34 @@ def test_tensor_parallel_shards_whole_heads_and_keeps_the_loss(single, tmp_path)
     workload = get_workload("gpt")
     model = workload.build(workload.size("smoke"))
     # Column-parallel layers shard weight and bias, row-parallel ones their weight (the bias is added once,
-    # replicated); embeddings and norms stay whole on every rank.
+    # replicated); the token embedding (and the head tied to it) is sharded over the vocabulary; position
+    # embeddings and norms stay whole on every rank.
     halved = sum(block.attn.qkv.weight.numel() + block.attn.qkv.bias.numel() + block.attn.proj.weight.numel()
                  + block.mlp.up.weight.numel() + block.mlp.up.bias.numel() + block.mlp.proj.weight.numel()
-                 for block in model.blocks)
+                 for block in model.blocks) + model.wte.weight.numel()
     assert result["local_params"] == single["local_params"] - halved // 2
     # The projection's one-rank model holds exactly what the measured rank holds.
     from harness.project.tensor_parallel import keep_rank_part
 
     keep_rank_part(model, workload, 2)
     assert sum(p.numel() for p in model.parameters()) == result["local_params"]
+
+
+def test_a_vocabulary_parallel_head_of_its_own_keeps_the_loss_and_holds_half_the_rows(tmp_path):
+    # Llama's layout: its own head (column-parallel over the vocabulary, logits all-gathered) beside a
+    # vocabulary-parallel embedding; GPT-2's tied head is the test above.
+    from harness.project.tensor_parallel import keep_rank_part
+    from suites.workloads import get_workload
+
+    single = losses("baseline", "llama-smoke")
+    result = _worker("tensor-parallel", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"], "llama-smoke")
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    workload = get_workload("gpt")
+    model = workload.build(workload.size("llama-smoke"))
+    vocabulary = model.wte.weight.numel() + model.lm_head.weight.numel()
+    keep_rank_part(model, workload, 2)
+    assert sum(p.numel() for p in model.parameters()) == result["local_params"]
+    assert model.wte.weight.numel() + model.lm_head.part.weight.numel() == vocabulary // 2
 
 
 def test_sequence_parallelism_keeps_the_tensor_parallel_loss(single, tmp_path):
@@ -389,6 +407,8 @@ def test_sequence_parallel_scatters_its_gradients_and_sends_the_bytes_projected(
     # The column-parallel layers' input gradients go back through the norms' gathers as reduce-scatters, not
     # all-reduces; the recomputed blocks gather again but skip their last scatter (checkpointing stops early).
     counted = cell["notes"][cell["notes"].index("communication counted"):]
-    assert "reduce_scatter" in counted and "all_reduce" not in counted
+    # All-reduced are the vocabulary-parallel embedding's output and the head's input gradient only: 2 x 2 (n - 1)
+    # / n of a [4, 64, 64] fp32 activation.
+    assert "reduce_scatter" in counted and "all_reduce 131,072" in counted
     assert cell["comm_bytes_per_step"] == twin["comm_bytes_per_step"] and twin["comm_error_vs_measured"] == 0
 

@@ -223,7 +223,50 @@ def test_one_tensor_parallel_rank_holds_its_part_of_each_sharded_layer():
     for name in ("up", "gate"):  # SwiGLU: both column-parallel, 11008 neurons in eighths
         assert getattr(rank.mlp, name).weight.shape == (11008 // 8, 4096)
     assert rank.mlp.proj.weight.shape == (4096, 11008 // 8)  # row-parallel
-    assert rank.norm1.weight.shape == block.norm1.weight.shape and part.wte.weight.shape == whole.wte.weight.shape
+    assert rank.norm1.weight.shape == block.norm1.weight.shape  # norms stay whole
+    # Llama's own head and its embedding: an eighth of the 32,000-token vocabulary each.
+    assert part.wte.weight.shape == (4000, 4096) and part.lm_head.part.weight.shape == (4000, 4096)
+
+
+def test_a_tensor_parallel_rank_shards_the_vocabulary_and_gathers_whole_logits():
+    import torch
+
+    from harness.project.tensor_parallel import keep_rank_part, sharded_model_figures
+    from suites.workloads import get_workload
+
+    workload = get_workload("gpt")
+    spec = workload.size("gpt3-175b")  # GPT-2's 50,257 tokens, its head tied to the embedding
+    with torch.device("meta"):
+        part = workload.build(workload.with_depth(spec, 1))
+    keep_rank_part(part, workload, 8)
+    # 50,257 does not split in eight: PyTorch shards as torch.chunk does, ceil(V / 8) rows on a rank.
+    assert part.wte.weight.shape == (6283, 12288) and part.lm_head is None
+    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    assert part(tokens).shape == (2, 16, 50257)  # the tied head's logits gathered whole on every rank
+    figures = sharded_model_figures(workload, workload.with_depth(spec, 1), 8)
+    assert figures.embedding and figures.logits_rows == 50257
+    assert sum(p.numel() for p in figures.model.parameters()) == sum(p.numel() for p in part.parameters())
+    untied = sharded_model_figures(workload, workload.size("gpt-7b"), 1)  # one rank: nothing sharded
+    assert not untied.embedding and untied.logits_rows == 0
+
+
+def test_gpt_70b_on_eight_tensor_parallel_ranks_holds_an_eighth_of_its_vocabulary_rows():
+    # Llama-3 70B's 128,256-token embedding and head are 2.1B parameters: kept whole, 10.66B per rank; sharded,
+    # the rank holds 70.6B / 8 and the norms (Megatron's vocabulary-parallel layers).
+    import torch
+
+    from harness.project.tensor_parallel import keep_rank_part
+    from suites.workloads import get_workload
+
+    workload = get_workload("gpt")
+    with torch.device("meta"):
+        whole = workload.build(workload.size("gpt-70b"))
+        part = workload.build(workload.size("gpt-70b"))
+    keep_rank_part(part, workload, 8)
+    norms = sum(p.numel() for name, p in whole.named_parameters() if "norm" in name)
+    total, local = (sum(p.numel() for p in model.parameters()) for model in (whole, part))
+    assert local == (total - norms) // 8 + norms
+    assert 8.8e9 < local < 8.9e9
 
 
 def test_the_guides_3d_question_answers_per_gpu_memory_fit_step_mfu_and_cost():

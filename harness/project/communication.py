@@ -127,6 +127,21 @@ def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: in
     return 2 * share * ((sharded + outputs_again) * output_bytes + sharded * stream_bytes)
 
 
+def vocabulary_parallel_bytes(tp: int, elements: int, stream_bytes: int, embedding: bool, logits: int,
+                              logits_bytes: int) -> float:
+    """Bytes each tensor-parallel rank sends per micro-batch for a vocabulary-parallel embedding and head
+    (Megatron's, Shoeybi et al. 2019, section 3): the embedding's output (`elements` of the residual stream's
+    `stream_bytes`) all-reduced in the forward; the head's `logits` elements all-gathered in the matmul's
+    dtype and its input's gradient all-reduced in the backward. Neither is recomputed by checkpointing."""
+    if tp == 1:
+        return 0.0
+    share = (tp - 1) / tp
+    sent = 2 * share * elements * stream_bytes if embedding else 0.0
+    if logits:
+        sent += share * logits * logits_bytes + 2 * share * elements * stream_bytes
+    return sent
+
+
 def pipeline_bytes(pp: int, activation_bytes: int, micro_batches: int, tied_bytes: int) -> tuple[float, float]:
     """(bytes per micro-batch, bytes once per step) of the stage that sends most: a middle stage sends its
     output forward and its input's gradient backward; the first and the last send one of them per micro-batch

@@ -3,7 +3,8 @@
 One rank runs the single-device stack on its part of the model and its slice of the batch (the layout and
 that cell: harness/project/layout.py), so the projection traces that (the same trace and allocator model as
 any cell) and then moves what the parallel techniques move:
-- tensor parallelism over t ranks: the rank's part of each attention and MLP module is what is traced
+- tensor parallelism over t ranks: the rank's part of each attention and MLP module, and its rows of the
+  vocabulary-parallel embedding and head (their logits gathered whole), is what is traced
   (harness/project/tensor_parallel.py), so its parameters, activations and matmuls are 1/t where sharded;
 - pipeline parallelism over p stages: one stage of depth L/p is traced at the micro-batch size, and the
   first stage holds the activations of every micro-batch in flight (all m under GPipe, p under 1F1B);
@@ -37,6 +38,7 @@ from harness.project.communication import (
     link_bytes_s,
     pipeline_bytes,
     tensor_parallel_bytes,
+    vocabulary_parallel_bytes,
 )
 from harness.project.expert_parallel import all_to_all_bytes, expert_figures
 from harness.project.layout import Layout, base_name, layout_of, local_cell
@@ -263,7 +265,8 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     if not trace.phase_at_peak:
         raise Unsupported("the rank's trace kept no per-phase breakdown to shard")
     technique = layout.data_technique
-    model, sharded, width = sharded_model_figures(local.workload, local.spec, layout.tp)
+    part = sharded_model_figures(local.workload, local.spec, layout.tp)
+    model, sharded, width = part.model, part.sharded, part.width
     per_param = memory.params / max(1, trace.param_count)
     gathers = technique in ("fsdp", "fsdp-zero2", "cpu-offload")
     block = _largest_block(model, local.workload, per_param, own_experts=layout.ep > 1) if gathers else 0
@@ -346,8 +349,11 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     # A recomputed block's last row-parallel output is skipped where it only feeds the residual add: both the
     # attention and the MLP sharded (the MLP's output last), and no dropout mask to recompute it for.
     skipped = layers if sharded >= 2 * layers and not local.spec.config.get("dropout") else 0
+    # The traced stage holds the embedding and the head (a pipeline's first and last stages' together).
+    vocabulary = vocabulary_parallel_bytes(layout.tp, elements, stream, part.embedding,
+                                           local.batch_size * (local.spec.seq_len or 0) * part.logits_rows, element)
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed,
-                                                 skipped, ends),
+                                                 skipped, ends) + vocabulary,
                  "pipeline": pipeline, "expert": 0.0}
     if layout.ep > 1:
         per_micro["expert"] = all_to_all_bytes(layout.ep, moe, buffer, element) * (1 + 0.5 * recomputed)

@@ -5,17 +5,20 @@ trace measures that rank's parameters, activations and matmuls.
 Megatron-style tensor parallelism over t ranks (Shoeybi et al. 2019, arXiv:1909.08053, section 3): the
 QKV projection and the MLP's first layer (and its gate) keep 1/t of their output rows (whole heads and
 neurons), the output projections 1/t of their input columns with their bias whole (added once after
-the all-reduce); norms, embeddings and the head stay whole on every rank. Written by hand because
-PyTorch's DTensor sharding needs a live process group, which a projection has not.
+the all-reduce); the token embedding and the head keep 1/t of the vocabulary's rows, the head's logits
+gathered whole on every rank; norms and position embeddings stay whole. Written by hand because PyTorch's
+DTensor sharding needs a live process group, which a projection has not.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from suites.techniques.base import Phase, Run, Technique
-from suites.techniques.parallel import tp_modules
+from suites.techniques.parallel import tp_modules, vocabulary_modules
 
 
 def _narrowed(layer: nn.Linear, outputs: int | None = None, inputs: int | None = None) -> nn.Linear:
@@ -26,6 +29,59 @@ def _narrowed(layer: nn.Linear, outputs: int | None = None, inputs: int | None =
     new.requires_grad_(layer.weight.requires_grad)
     new.train(layer.training)
     return new
+
+
+def _gathered(logits: torch.Tensor, ranks: int, vocabulary: int) -> torch.Tensor:
+    """A rank's logits over its rows, standing for the all-gather of every rank's with the same shapes and
+    bytes (the trace sees sizes, not values): as PyTorch's functional all_gather_tensor does it, the ranks'
+    parts stacked along dim 0 in one buffer, then concatenated along the vocabulary."""
+    buffer = torch.cat([logits] * ranks)
+    whole = torch.cat(buffer.chunk(ranks), dim=-1)
+    return whole if whole.shape[-1] == vocabulary else whole[..., :vocabulary]
+
+
+class VocabularyShard(nn.Embedding):
+    """One rank's rows of a vocabulary-parallel embedding, as the trace needs it: ceil(V / t) rows (PyTorch
+    shards unevenly as torch.chunk does), a lookup of every token into them (the real one masks the tokens
+    other ranks hold and all-reduces: the same shapes), and a tied head's logits gathered whole."""
+
+    def __init__(self, embedding: nn.Embedding, ranks: int):
+        super().__init__(-(-embedding.num_embeddings // ranks), embedding.embedding_dim,
+                         device=embedding.weight.device, dtype=embedding.weight.dtype)
+        self.weight.requires_grad_(embedding.weight.requires_grad)
+        self.train(embedding.training)
+        self.ranks, self.vocabulary = ranks, embedding.num_embeddings
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens.remainder(self.num_embeddings))
+
+    def gathered_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return _gathered(nn.functional.linear(x, self.weight), self.ranks, self.vocabulary)
+
+
+class GatheredHead(nn.Module):
+    """One rank's rows of a vocabulary-parallel head (a column-parallel Linear over the vocabulary) and the
+    all-gather of every rank's logits."""
+
+    def __init__(self, head: nn.Linear, ranks: int):
+        super().__init__()
+        self.part = _narrowed(head, outputs=-(-head.out_features // ranks))
+        self.ranks, self.vocabulary = ranks, head.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _gathered(self.part(x), self.ranks, self.vocabulary)
+
+
+def keep_vocabulary_part(model: nn.Module, workload, ranks: int) -> int:
+    """Shrink `model`'s token embedding and head in place to one of `ranks` ranks' vocabulary rows; the
+    vocabulary's size (0 where nothing was sharded)."""
+    vocabulary = 0
+    for name, kind in vocabulary_modules(model, workload).items():
+        layer = getattr(model, name)
+        part = VocabularyShard(layer, ranks) if kind == "embedding" else GatheredHead(layer, ranks)
+        setattr(model, name, part)
+        vocabulary = part.vocabulary
+    return vocabulary
 
 
 def keep_rank_part(model: nn.Module, workload, ranks: int) -> int:
@@ -45,6 +101,7 @@ def keep_rank_part(model: nn.Module, workload, ranks: int) -> int:
                     setattr(module, name, _narrowed(layer, outputs=layer.out_features // ranks))
             down = getattr(module, mlp.down)
             setattr(module, mlp.down, _narrowed(down, inputs=down.in_features // ranks))
+    keep_vocabulary_part(model, workload, ranks)
     return len(modules)
 
 
@@ -52,9 +109,12 @@ def rank_part(ranks: int) -> Technique:
     """A projection-only technique that keeps one tensor-parallel rank's part of the model."""
 
     def apply(run: Run) -> None:
+        vocabulary = vocabulary_modules(run.model, run.workload)
         keep_rank_part(run.model, run.workload, ranks)
         run.notes.append(f"one of {ranks} tensor-parallel ranks' part traced: attention and MLP modules at 1/{ranks} "
-                         "of their heads and neurons, the rest whole")
+                         f"of their heads and neurons"
+                         + (f", the {' and '.join(sorted(set(vocabulary.values())))} at 1/{ranks} of the vocabulary "
+                            "(logits gathered whole)" if vocabulary else "") + ", the rest whole")
 
     return Technique(id=f"tensor-parallel-rank:t={ranks}", phase=Phase.PARALLEL, changes_numerics=False,
                      summary="one tensor-parallel rank's part of the model (projection only)",
@@ -70,11 +130,35 @@ def activation_width(model: nn.Module, workload) -> int:
     raise ValueError(f"{workload.name} has no attention module named by its traits")
 
 
-def sharded_model_figures(workload, spec, ranks: int) -> tuple[nn.Module, int, int]:
-    """(the model of `spec` on the meta device as one of `ranks` tensor-parallel ranks holds it, the
-    modules sharded, the activation width its all-reduces carry)."""
+def gathered_logits_rows(model: nn.Module, workload) -> int:
+    """The vocabulary whose logits a tensor-parallel rank all-gathers: its head's rows, or its embedding's
+    where the head is tied to it (0 where tensor parallelism shards neither)."""
+    roles, found = workload.traits.vocabulary, vocabulary_modules(model, workload)
+    if "head" in found.values():
+        return getattr(model, roles.head).out_features
+    tied = roles is not None and roles.head is not None and getattr(model, roles.head, None) is None
+    return getattr(model, roles.embedding).num_embeddings if tied and found else 0
+
+
+@dataclass(frozen=True)
+class ShardedModel:
+    """A model of a spec on the meta device as one tensor-parallel rank holds it, and the figures its
+    collectives are costed from."""
+
+    model: nn.Module
+    sharded: int  # attention and MLP modules sharded
+    width: int  # the activation width their all-reduces carry
+    embedding: bool  # the token embedding is vocabulary-parallel (its output all-reduced)
+    logits_rows: int  # the vocabulary whose logits the head all-gathers (0: none)
+
+
+def sharded_model_figures(workload, spec, ranks: int) -> ShardedModel:
+    """The model of `spec` on the meta device as one of `ranks` tensor-parallel ranks holds it, with the
+    figures its tensor-parallel collectives are costed from."""
     with torch.device("meta"):
         model = workload.build(spec)
+    found = vocabulary_modules(model, workload) if ranks > 1 else {}
+    rows = gathered_logits_rows(model, workload) if ranks > 1 else 0
     sharded = keep_rank_part(model, workload, ranks) if ranks > 1 else 0
     width = activation_width(model, workload) if workload.traits.attention else 0
-    return model, sharded, width
+    return ShardedModel(model, sharded, width, "embedding" in found.values(), rows)

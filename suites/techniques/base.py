@@ -84,6 +84,8 @@ class Run:
             parallelism runs in groups smaller than the world, 3-D (`pp`, `dp`, `tp`) where pipelines of
             such groups also run side by side (None: each builds a 1-D one).
         comm_bytes_per_step: bytes each rank sends per step for a parallel stack (ring algorithms).
+        vocabulary_comm: (embedding, head) bytes of that which tensor parallelism's vocabulary-parallel
+            embedding and head send, on its slice of the batch: a pipeline moves them to its end stages.
         placed: a parallel technique put the model on its devices (FSDP2 offload keeps shards on the host),
             so measurement must not move it.
         allocator: the CUDA caching allocator's setting (`native`, `expandable_segments`, `cudaMallocAsync`).
@@ -115,6 +117,7 @@ class Run:
     pipeline_stages: int | None = None
     sequence_parallel: bool = False
     comm_bytes_per_step: int | None = None
+    vocabulary_comm: tuple[int, int] = (0, 0)
     placed: bool = False
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

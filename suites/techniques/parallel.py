@@ -228,6 +228,45 @@ def tp_modules(model: torch.nn.Module, workload, ranks: int):
     return found
 
 
+def vocabulary_modules(model: torch.nn.Module, workload) -> dict[str, str]:
+    """{attribute: "embedding" or "head"} of what tensor parallelism shards over the vocabulary on `model`
+    (a pipeline stage holds the embedding, the head, both or neither): plain Embedding and Linear layers
+    only. Shared by the real technique and the projection's one-rank model."""
+    roles = workload.traits.vocabulary
+    if roles is None:
+        return {}
+    found = {}
+    if isinstance(getattr(model, roles.embedding, None), torch.nn.Embedding):
+        found[roles.embedding] = "embedding"
+    if roles.head and isinstance(getattr(model, roles.head, None), torch.nn.Linear):
+        found[roles.head] = "head"
+    return found
+
+
+def _shard_vocabulary(model: torch.nn.Module, workload, mesh) -> dict[str, str]:
+    """Megatron's vocabulary-parallel embedding and head (Shoeybi et al. 2019, section 3): each rank holds
+    1/t of the vocabulary's rows. The embedding looks up the tokens its rows hold, zeroes the others and
+    all-reduces the sum (PyTorch's RowwiseParallel on an Embedding); the head computes its rows' logits and
+    all-gathers them (ColwiseParallel, output replicated), its input's gradient all-reduced backward. A head
+    tied to the embedding multiplies by the embedding's rows the same way (`gathered_logits`)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    found = vocabulary_modules(model, workload)
+    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()) if kind == "embedding"
+            else ColwiseParallel(output_layouts=Replicate()) for name, kind in found.items()}
+    if plan:
+        parallelize_module(model, mesh, plan)
+    embedding = next((getattr(model, name) for name, kind in found.items() if kind == "embedding"), None)
+    if embedding is not None:
+        def gathered_logits(x: torch.Tensor) -> torch.Tensor:
+            replicated = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return torch.nn.functional.linear(replicated, embedding.weight).full_tensor()
+
+        embedding.gathered_logits = gathered_logits
+    return found
+
+
 def _apply_tp(run: Run, ranks: int | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -282,6 +321,7 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
             if mlp.gate and getattr(module, mlp.gate, None) is not None:
                 plan[mlp.gate] = ColwiseParallel()
         parallelize_module(module, mesh, plan)
+    vocabulary = _shard_vocabulary(run.model, run.workload, mesh)
     if sequence:
         _shard_sequence(run.model, run.workload, mesh)
     sharded = len(modules)
@@ -294,14 +334,38 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     # a reduce-scatter and an all-gather (the same bytes), and the sequence's cut adds two fp32 gathers: the
     # final norm's output forward, the entry's gradient backward.
     unit = (ranks - 1) / ranks * activations * run.batch_size // groups
-    run.comm_bytes_per_step = int(2 * unit * (output_bytes(run) + 4) * sharded + (2 * unit * 4 if sequence else 0))
+    run.vocabulary_comm = _vocabulary_comm(run, vocabulary, unit, ranks, groups)
+    run.comm_bytes_per_step = int(2 * unit * (output_bytes(run) + 4) * sharded + (2 * unit * 4 if sequence else 0)
+                                  + sum(run.vocabulary_comm))
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
-                     f"projections row-parallel and all-reduced; embeddings and norms replicated"
+                     f"projections row-parallel and all-reduced; "
+                     + (f"{' and '.join(sorted(set(vocabulary.values())))} vocabulary-parallel (1/{ranks} of the "
+                        "rows each, logits all-gathered); positions and norms replicated" if vocabulary
+                        else "embeddings and norms replicated")
                      + (f"; {groups} such groups on a {run.mesh.ndim}-D mesh (data-parallel groups, pipeline stages)"
                         if groups > 1 else "")
                      + ("; sequence parallel: norms, dropout and the residual stream hold 1/"
                         f"{ranks} of the sequence" if sequence else ""))
+
+
+def _vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: int, groups: int
+                     ) -> tuple[int, int]:
+    """(embedding, head) bytes a rank sends for the vocabulary-parallel layers `vocabulary`, on its 1/`groups`
+    slice of the batch (`unit`: (t - 1) / t of one activation): the embedding's output all-reduced in its
+    weight's dtype; the head's logits all-gathered in the matmul's dtype and its input's fp32 gradient
+    all-reduced. A head tied to a sharded embedding is one too."""
+    if not vocabulary:
+        return 0, 0
+    roles = run.workload.traits.vocabulary
+    embedding = next((getattr(run.model, name) for name, kind in vocabulary.items() if kind == "embedding"), None)
+    sent_embedding = 2 * unit * embedding.weight.to_local().element_size() if embedding is not None else 0
+    tied = embedding is not None and roles.head is not None and getattr(run.model, roles.head, None) is None
+    if "head" not in vocabulary.values() and not tied:
+        return int(sent_embedding), 0
+    rows = embedding.num_embeddings if tied else getattr(run.model, roles.head).out_features
+    logits = run.batch_size // groups * (run.size.seq_len or 0) * rows
+    return int(sent_embedding), int((ranks - 1) / ranks * logits * output_bytes(run) + 2 * unit * 4)
 
 
 def _shard_sequence(model: torch.nn.Module, workload, mesh) -> None:
@@ -356,9 +420,23 @@ def _grouped(factory):
         params = list(params)
         groups = [{"params": [p for p in params if isinstance(p, DTensor)]},
                   {"params": [p for p in params if not isinstance(p, DTensor)]}]
-        return factory([group for group in groups if group["params"]])
+        optimizer = factory([group for group in groups if group["params"]])
+        optimizer.register_step_pre_hook(_gradients_placed_as_parameters)
+        return optimizer
 
     return make
+
+
+def _gradients_placed_as_parameters(optimizer, args, kwargs) -> None:
+    """DTensor's embedding backward has no row-sharded rule: a vocabulary-parallel embedding's gradient comes
+    back as the whole table on every rank (replicated). Keep the rank's rows before the step, so the step
+    and what follows hold 1/t of it, as of its parameter."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            grad = parameter.grad
+            if grad is not None and hasattr(grad, "placements") and grad.placements != parameter.placements \
+                    and all(p.is_replicate() for p in grad.placements):
+                parameter.grad = grad.redistribute(parameter.device_mesh, parameter.placements)
 
 
 def _check_tp(profile, workload, mode):

@@ -133,6 +133,9 @@ class PipelineRunner:
             for parameter in tied:
                 # Sharded by FSDP, each pipeline's first and last stage hold the same shard: sum those.
                 grad = parameter.grad
+                if hasattr(grad, "placements") and grad.placements != parameter.placements:
+                    # A vocabulary-parallel embedding's gradient comes back whole (replicated): its rows only.
+                    grad = parameter.grad = grad.redistribute(parameter.device_mesh, parameter.placements)
                 dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.tied_group)
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
 
@@ -223,8 +226,12 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     ends = (index == 0) + (index == stages - 1)
     whole = (tensor - 1) / tensor * activation * sequence  # one gather of the pipeline's stream
     moved = whole * (ends - 2 / stages) if run.sequence_parallel and tensor > 1 else 0
+    # Its vocabulary-parallel embedding (first stage) and head (last) likewise send on the pipeline's batch what
+    # tensor parallelism counted on a 1/stages slice of it at every stage.
+    embedding, head = run.vocabulary_comm
+    vocabulary = embedding * (stages * (index == 0) - 1) + head * (stages * (index == stages - 1) - 1)
     run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + activation * ((index < stages - 1) + (index > 0)) \
-        + tied_bytes // pipelines + int(moved)
+        + tied_bytes // pipelines + int(moved) + vocabulary
     run.notes.append(f"stage {index + 1} of {stages} ({options.schedule.upper()}, {micro} micro-batches of "
                      f"{batch // micro}; torch.distributed.pipelining): its blocks"
                      + (", the embeddings" if index == 0 else "") + (", the head" if index == stages - 1 else "")

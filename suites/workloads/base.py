@@ -114,6 +114,17 @@ class MlpRoles:
 
 
 @dataclass(frozen=True)
+class VocabularyRoles:
+    """Attribute names, on the model (or a pipeline stage of it), of its token embedding and its output
+    head: what tensor parallelism shards over the vocabulary. `head` names a Linear where the model has its
+    own; where it holds None, the head is tied to the embedding and the model's logits call the embedding's
+    `gathered_logits(x)` when tensor parallelism gives it one (every rank's vocabulary rows, gathered)."""
+
+    embedding: str = "wte"
+    head: str | None = "lm_head"
+
+
+@dataclass(frozen=True)
 class ConvRoles:
     """A residual bottleneck's prunable convs: (conv, its norm, the conv that consumes its channels)."""
 
@@ -135,6 +146,8 @@ class Traits:
             projection; None where the model is not a stack of identical blocks.
         max_seq_key: the config key holding the longest sequence the model accepts (language models).
         attention, mlp, bottleneck: module roles for structured pruning; None where it has none.
+        vocabulary: module roles of the token embedding and the head, sharded over the vocabulary by
+            tensor parallelism; None where it has none (they stay whole on every rank).
         residual_entry: in a pre-norm model (norm, then attention or MLP, then the residual add), the
             module whose output starts the residual stream, from where sequence parallelism shards it;
             None where the model is not pre-norm.
@@ -150,6 +163,7 @@ class Traits:
     attention: AttentionRoles | None = None
     mlp: MlpRoles | None = None
     bottleneck: ConvRoles | None = None
+    vocabulary: VocabularyRoles | None = None
     residual_entry: str | None = None
     variable_length: bool = False
 

@@ -18,7 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from suites.kv_cache import KVCache, LayerCache, attention
-from suites.workloads.base import AttentionRoles, Batch, MlpRoles, Pipelining, Serving, SizeSpec, Traits, Workload
+from suites.workloads.base import (
+    AttentionRoles,
+    Batch,
+    MlpRoles,
+    Pipelining,
+    Serving,
+    SizeSpec,
+    Traits,
+    VocabularyRoles,
+    Workload,
+)
 from suites.workloads.moe import MoE
 
 FAMILIES = ("gpt2", "llama")
@@ -211,8 +221,12 @@ class GPT(nn.Module):
 def logits(x: torch.Tensor, lm_head: nn.Linear | None, wte: nn.Embedding) -> torch.Tensor:
     """The output projection. GPT-2 reads the embedding matrix (tied) and leaves the logits in the matmul's
     dtype, as nanoGPT does; Llama's own head returns them in fp32, as Meta's reference model does (and
-    torchtitan's and HF's losses take them), so its cross-entropy runs in fp32 under autocast too."""
-    return lm_head(x).float() if lm_head is not None else F.linear(x, wte.weight)
+    torchtitan's and HF's losses take them), so its cross-entropy runs in fp32 under autocast too. Under tensor
+    parallelism a rank holds some of the embedding's rows: its `gathered_logits` gathers every rank's."""
+    if lm_head is not None:
+        return lm_head(x).float()
+    gathered = getattr(wte, "gathered_logits", None)
+    return gathered(x) if gathered is not None else F.linear(x, wte.weight)
 
 
 class Stage(nn.Module):
@@ -353,6 +367,12 @@ SIZES = {
             canonical_params=70_553_706_496,
             canonical_source="HuggingFace meta-llama/Meta-Llama-3-70B (3.1-70B has the same shapes)",
         ),
+        # Llama's layout (own head, grouped-query attention, SwiGLU, RMSNorm) small enough for 2 CPU ranks.
+        SizeSpec("llama-smoke", "test", dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, vocab_size=512,
+                                             block_size=64, family="llama", ffn_hidden=128),
+                 batch_size=4, seq_len=64, canonical_params=139_584,
+                 canonical_source="no published model: this shape's own count, pinned so a change to the "
+                 "llama layers shows (scale test keeps it out of every default plan)"),
         # A mixture of experts small enough for 2 CPU ranks: 4 experts, top 2, capacity for every token
         # (capacity factor 2 = E / k), so no token is dropped and expert parallelism keeps the loss exactly.
         SizeSpec("moe-smoke", "test", {**_gpt2(2, 64, 4, block_size=64, vocab_size=512), "n_experts": 4,
@@ -465,5 +485,6 @@ WORKLOAD = Workload(
     pipelining=Pipelining(stage=Stage, loss=logits_loss),
     traits=Traits(uniform_blocks=True, depth_key="n_layer", max_seq_key="block_size",
                   attention=AttentionRoles(qkv="qkv", out="proj", heads="n_head", kv_groups="kv_groups"),
-                  mlp=MlpRoles(up="up", gate="gate", down="proj"), residual_entry="drop"),
+                  mlp=MlpRoles(up="up", gate="gate", down="proj"), residual_entry="drop",
+                  vocabulary=VocabularyRoles(embedding="wte", head="lm_head")),
 )
