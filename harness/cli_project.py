@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     batch = project.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=_count, default=None,
                        help="samples per step (default: the size's own; the global batch under --dp)")
-    batch.add_argument("--max-batch", action="store_true", help="solve for the largest batch that fits")
+    batch.add_argument("--max-batch", action="store_true",
+                       help="solve for the largest batch that fits without the allocator freeing its cache and "
+                            "retrying each step")
     project.add_argument("--max-context", action="store_true",
                        help="serving (--mode infer, gpt): solve for the longest prompt that fits at --batch-size")
     project.add_argument("--seq-len", type=_count, default=None, help="tokens per sample (language models)")

@@ -282,6 +282,18 @@ def test_max_batch_fits_and_one_more_step_does_not():
     assert not project(cell.with_batch(best + 1)).memory.fits
 
 
+def test_max_batch_leaves_out_batches_that_fit_only_by_the_allocator_freeing_its_cache():
+    from harness.project.search import runs_steadily
+
+    cell = _cell("gpt", "gpt2-124m", technique="amp-fp16", gpu="t4")
+    best = max_batch(cell)
+    assert runs_steadily(project(cell.with_batch(best)).memory)
+    above = project(cell.with_batch(best + 1)).memory
+    # One more sample still fits, but only as the allocator frees its cached blocks and retries every step
+    # (its unconstrained reserve outgrows the card): not a batch to run for throughput.
+    assert above.fits and above.fits_by_freeing_cache and not runs_steadily(above)
+
+
 def test_project_command_prints_one_json_record(capsys):
     assert main(["project", "--workload", "bert", "--size", "bert-base", "--gpu", "a100-sxm4-80gb",
                  "--technique", "amp-bf16+checkpointing", "--format", "json"]) == 0

@@ -16,6 +16,7 @@ from suites.techniques import Run, parse_stack
 from suites.techniques import groupquant as G
 from suites.techniques import quantization as Q
 from suites.workloads import WORKLOADS
+from suites.workloads.base import count_parameters
 
 PROFILES = load_profiles()
 CPU = PROFILES["cpu"]
@@ -211,6 +212,34 @@ def test_group_quant_stores_integer_weights_with_per_group_scales(bits, path, mo
     assert f"{len(layers)} {which}" in run.notes[-1]
     error = _relative_error(_infer(run, batch), ref)
     assert error < (0.02 if bits == 8 else 0.15), error
+
+
+class _TiedHead(nn.Module):
+    """A token model whose head reads the embedding's table, tied as Hugging Face ties lm_head."""
+
+    def __init__(self, vocabulary: int = 512, width: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        self.body = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocabulary, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(self.embed(tokens))))
+
+
+@pytest.mark.parametrize("stack", ["group-quant", "group-quant-int4", "ptq-int8"])
+def test_quantisers_keep_a_head_tied_to_the_embedding_and_count_its_table_once(stack):
+    workload, spec, _, batch = _setup("gpt")
+    torch.manual_seed(0)
+    model = _TiedHead()
+    counted = count_parameters(model)
+    assert counted == 512 * 64 + 64 * 64 + 64  # the tied table once
+    run = _run(workload, spec, model, "infer", stack)
+    assert type(run.model.head) is nn.Linear and run.model.head.weight is run.model.embed.weight
+    assert type(run.model.body) is not nn.Linear or _is_torchao(run.model.body)  # the untied layer is quantised
+    assert count_parameters(run.model) == counted
+    assert "1 layer whose weight is tied to the token embedding kept in its dtype" in run.notes[-1]
 
 
 def _is_torchao(module: nn.Module) -> bool:

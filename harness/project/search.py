@@ -23,16 +23,26 @@ from suites.workloads.base import SizeSpec, Workload, count_parameters
 MAX_BATCH_LIMIT = 1 << 16
 
 
-def fits_at(cell: ResolvedCell, batch_size: int | None = None) -> bool:
-    """Whether the cell (at `batch_size`, default its own) fits its profile, as projected."""
+def fits_at(cell: ResolvedCell, batch_size: int | None = None, steady: bool = False) -> bool:
+    """Whether the cell (at `batch_size`, default its own) fits its profile, as projected; `steady`: without
+    the allocator freeing its cache and retrying each step."""
     from harness.project import project
 
-    return bool(project(cell if batch_size is None else cell.with_batch(batch_size)).memory.fits)
+    memory = project(cell if batch_size is None else cell.with_batch(batch_size)).memory
+    return runs_steadily(memory) if steady else bool(memory.fits)
+
+
+def runs_steadily(memory) -> bool:
+    """Fits, and without a cache-freeing retry: where the caching allocator's reserve would outgrow the card,
+    cudaMalloc fails and the allocator frees every cached block and retries, each step. PyTorch's CUDA notes
+    call those retries slow (`num_alloc_retries`, a synchronising cudaFree each); a batch a user would pick
+    for throughput has none."""
+    return bool(memory.fits) and not memory.fits_by_freeing_cache
 
 
 def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, smallest: int | None = None) -> int:
     """The largest batch (a multiple of `step`, at least `smallest`) whose projected memory fits the
-    cell's profile, 0 if none.
+    cell's profile without the allocator's cache-freeing retries (runs_steadily), 0 if none.
 
     Memory is affine in the batch for fixed shapes: two projections give the slope and a guess, the
     search runs on the batch model between the first batch and the guess (batch_model.py), and its
@@ -45,7 +55,7 @@ def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, s
         raise ValueError(f"profile {profile.id} has no memory size to fit in: cannot solve for the largest batch")
     start = max(step, smallest or step)
     first = project(cell.with_batch(start)).memory
-    if not first.fits:
+    if not runs_steadily(first):
         return 0
     second = project(cell.with_batch(start + step)).memory
     slope = (second.chosen_reserved - first.chosen_reserved) / step
@@ -54,7 +64,7 @@ def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, s
     guess = max(start, guess - guess % step)
 
     def fits(batch: int) -> bool:
-        return fits_at(cell, batch)
+        return fits_at(cell, batch, steady=True)
 
     # Probe the batch model (interpolated allocation logs: two traces in all), then confirm its answer
     # with real projections at it and one step above; where they disagree, search with real ones from there.
@@ -118,7 +128,7 @@ def _modelled_fits(model: BatchModel):
         memory = model.memory(batch)
         if memory is None:
             raise _NoModel
-        return bool(memory.fits)
+        return runs_steadily(memory)
 
     return fits
 

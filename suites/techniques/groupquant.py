@@ -18,7 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from suites.techniques.base import Phase, Run, Technique, Unsupported
-from suites.techniques.quantization import INT8_MAX, _bytes, _inference_only, _replace
+from suites.techniques.quantization import INT8_MAX, _bytes, _inference_only, _replace, tied_layers, tied_note
 
 # Weight-only group quantisation: bits -> default group size (inputs sharing one scale). int4 uses 32,
 # llama.cpp's Q4_0 block and the finest of torchao's int4 group sizes (32-256); int8 rounds 16x finer,
@@ -232,10 +232,14 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
         from suites.techniques.expert import moe_layers
 
         routers = {id(layer.router) for layer in moe_layers(run.model)}
+        tied, kept_tied = tied_layers(run.model), []
 
         def convert(module: nn.Module) -> nn.Module | None:
             nonlocal before, after, skipped
             if id(module) in routers:
+                return None
+            if id(module) in tied:
+                kept_tied.append(module)
                 return None
             group = _group_size(module.in_features, bits)
             if group is None:
@@ -258,13 +262,15 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
         matrices, matrices_kept, experts_before, experts_after = quantise_experts(run.model, bits)
         before, after = before + experts_before, after + experts_after
         if not count:
-            raise Unsupported(f"no nn.Linear of {run.workload.name} has in_features divisible into int{bits} groups")
+            raise Unsupported(f"no nn.Linear of {run.workload.name} has in_features divisible into int{bits} groups"
+                              + (" and a weight of its own (not tied to the embedding)" if kept_tied else ""))
         api, why = _torchao()
         version = f"torchao {api[0]}" if api else why
         path = ", ".join(f"{n} {name}" for name, n in paths.items() if n)
         where = {8: "Int8WeightOnlyConfig(PerGroup)", 4: "Int4WeightOnlyConfig tinygemm (CUDA, bf16)"}[bits]
         sizes = ", ".join(f"{g} ({n} layers)" for g, n in sorted(groups_used.items(), reverse=True))
         kept = f"; {skipped} layers kept fp32 (in_features not divisible into groups)" if skipped else ""
+        kept += tied_note(len(kept_tied))
         if matrices_kept:
             kept += f"; {matrices_kept} MoE expert matrices kept in their dtype (inputs not divisible into groups)"
         experts = (f" and {matrices} MoE expert matrices (hand-written, per expert; the {len(routers)} routers "

@@ -54,6 +54,24 @@ def _replace(model: nn.Module, types: tuple[type, ...], make: Callable[[nn.Modul
     return sum(m is not None for m in made.values())
 
 
+def tied_layers(model: nn.Module) -> set[int]:
+    """ids of the modules whose weight Parameter another module also holds: a head tied to the token
+    embedding, as Hugging Face ties lm_head to embed_tokens. Quantising one would leave the float table where
+    the embedding reads it and add an integer copy (more bytes, not fewer), so the quantisers keep them in
+    their dtype, as AutoAWQ and GPTQ checkpoints keep lm_head."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            owners[id(parameter)] = owners.get(id(parameter), 0) + 1
+    return {id(module) for module in model.modules()
+            if isinstance(getattr(module, "weight", None), nn.Parameter) and owners.get(id(module.weight), 0) > 1}
+
+
+def tied_note(count: int) -> str:
+    return (f"; {count} layer{'s' if count > 1 else ''} whose weight is tied to the token embedding kept in its "
+            "dtype (an integer copy would add bytes beside the float table)") if count else ""
+
+
 def _calibration_batches(run: Run):
     generator = torch.Generator().manual_seed(CALIBRATION_SEED)
     samples = min(run.batch_size, CALIBRATION_SAMPLES)
@@ -295,9 +313,13 @@ def _apply_ptq(run: Run) -> None:
 
     before = after = 0
     unseen = 0
+    tied, kept_tied = tied_layers(run.model), []
 
     def convert(module: nn.Module) -> nn.Module | None:
         nonlocal before, after, unseen
+        if id(module) in tied:
+            kept_tied.append(module)
+            return None
         if not calls.get(id(module)):  # never reached by the forward: nothing to calibrate
             unseen += 1
             return None
@@ -318,6 +340,7 @@ def _apply_ptq(run: Run) -> None:
         # (Int8Conv2d computes in fp32 on dequantised operands, so a conv net keeps its float label.)
         run.precision = "int8"
     kept = f"; {unseen} layers never reached by calibration kept in fp32" if unseen else ""
+    kept += tied_note(len(kept_tied))
     run.notes.append(
         f"ptq-int8: {count} layers ({count - convs} Linear, {convs} Conv2d) calibrated by per-layer min/max "
         f"on {CALIBRATION_BATCHES} batches of {min(run.batch_size, CALIBRATION_SAMPLES)} samples; weights int8 "
