@@ -109,12 +109,14 @@ def rank_part(ranks: int) -> Technique:
     """A projection-only technique that keeps one tensor-parallel rank's part of the model."""
 
     def apply(run: Run) -> None:
-        vocabulary = vocabulary_modules(run.model, run.workload)
+        found = set(vocabulary_modules(run.model, run.workload).values())
+        tied = "head" not in found and gathered_logits_rows(run.model, run.workload) > 0
+        layers = "the embedding and the head tied to it" if tied else f"the {' and '.join(sorted(found))}"
         keep_rank_part(run.model, run.workload, ranks)
         run.notes.append(f"one of {ranks} tensor-parallel ranks' part traced: attention and MLP modules at 1/{ranks} "
                          f"of their heads and neurons"
-                         + (f", the {' and '.join(sorted(set(vocabulary.values())))} at 1/{ranks} of the vocabulary "
-                            "(logits gathered whole)" if vocabulary else "") + ", the rest whole")
+                         + (f", {layers} at 1/{ranks} of the vocabulary (logits gathered whole)" if found else "")
+                         + ", the rest whole")
 
     return Technique(id=f"tensor-parallel-rank:t={ranks}", phase=Phase.PARALLEL, changes_numerics=False,
                      summary="one tensor-parallel rank's part of the model (projection only)",
