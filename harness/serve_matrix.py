@@ -116,7 +116,8 @@ def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: s
                 row["params_bytes"] = record.params_bytes
                 row["kv_cache_b1_bytes"] = record.kv_cache_bytes
     if row.get("max_batch_" + _label(request.contexts[0])) == 0:
-        notes.append(f"does not fit at batch 1 and {request.contexts[0]:,} tokens")
+        notes.append(f"does not fit at batch 1 and {request.contexts[0]:,} tokens without the allocator freeing "
+                     "its cache and retrying every step")
     row["notes"] = "; ".join(notes)
     return row
 

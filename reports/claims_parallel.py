@@ -11,8 +11,9 @@ import pandas as pd
 from reports.claims import GB, _judged, _numbers
 
 # A rank holding at most this share of the single process's parameter bytes holds a split of them. Its
-# sharded layers are 1/t of theirs, its embeddings and norms whole: a t-way rank of gpt2-124m (30% of its
-# weights in the embeddings) holds 0.3 + 0.7 / t, 0.65 at t = 2; a rank holding it all holds 1.
+# sharded layers (blocks, token embedding and head) are 1/t of theirs, its norms and position embeddings whole:
+# a t-way rank of gpt2-124m (0.7% of its weights in those) holds about 1 / t, 0.50 at t = 2; a rank holding
+# it all holds 1.
 SPLIT_SHARE = 0.9
 
 
@@ -36,7 +37,7 @@ def judge_c11(frame: pd.DataFrame) -> dict:
     verdict = f"contradicted: one layer is {350 * GB / (2 * layer):.0f}x smaller than stated"
     if ratios:
         found += (f"; {ranks['source'].iloc[0]} tensor-parallel ranks hold x{pd.Series(ratios).median():.2f} of the "
-                  "single process's parameter bytes (sharded layers split, embeddings and norms replicated)")
+                  "single process's parameter bytes (sharded layers split, norms and position embeddings replicated)")
         share = pd.Series(ratios).median()
         verdict += ("; tensor parallelism does split the sharded weights across its ranks" if share <= SPLIT_SHARE
                     else f"; its ranks hold x{share:.2f} of the parameter bytes each: not a split")

@@ -43,9 +43,13 @@ def losses(stack: str, size: str = "smoke") -> dict:
             loss /= dist.get_world_size() // (run.pipeline.stages if run.pipeline else 1)
         out.append(loss.item())
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in run.model.parameters())
+    embedding = getattr(getattr(run.model, "module", run.model), "wte", None)
+    grad = embedding.weight.grad if embedding is not None else None  # the last step's, kept till zero_grad
     return {"losses": out, "local_params": local, "block_input_seq": seen[0][0] if seen else None,
             "block_input_dtype": seen[0][1] if seen else None,
             "optimizer_bytes": optimizer_state_bytes(step.optimizer),
+            "embedding_grad_rows": None if grad is None else (grad.to_local() if hasattr(grad, "to_local")
+                                                               else grad).shape[0],
             "comm": run.comm_bytes_per_step}
 
 

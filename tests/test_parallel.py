@@ -80,6 +80,8 @@ def test_tensor_parallel_shards_whole_heads_and_keeps_the_loss(single, tmp_path)
                  + block.mlp.up.weight.numel() + block.mlp.up.bias.numel() + block.mlp.proj.weight.numel()
                  for block in model.blocks) + model.wte.weight.numel()
     assert result["local_params"] == single["local_params"] - halved // 2
+    # DTensor's embedding backward returns the whole table's gradient; the rank keeps its own rows of it.
+    assert single["embedding_grad_rows"] == 512 and result["embedding_grad_rows"] == 256
     # The projection's one-rank model holds exactly what the measured rank holds.
     from harness.project.tensor_parallel import keep_rank_part
 
@@ -283,6 +285,7 @@ def test_pipeline_stages_of_tensor_parallel_ranks_give_the_single_process_losses
     result = _worker("tensor-parallel:t=2+pipeline-parallel:p=2", tmp_path,
                      [*TORCHRUN, "--standalone", "--nproc-per-node=4"])
     assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    assert result["embedding_grad_rows"] == 256  # rank 0, the first stage: its half of the tied table's gradient
     from harness.project.tensor_parallel import keep_rank_part
     from suites.workloads import get_workload
 

@@ -246,8 +246,10 @@ def test_a_tensor_parallel_rank_shards_the_vocabulary_and_gathers_whole_logits()
     figures = sharded_model_figures(workload, workload.with_depth(spec, 1), 8)
     assert figures.embedding and figures.logits_rows == 50257
     assert sum(p.numel() for p in figures.model.parameters()) == sum(p.numel() for p in part.parameters())
-    untied = sharded_model_figures(workload, workload.size("gpt-7b"), 1)  # one rank: nothing sharded
-    assert not untied.embedding and untied.logits_rows == 0
+    untied = sharded_model_figures(workload, workload.with_depth(workload.size("gpt-7b"), 1), 8)  # Llama's own head
+    assert untied.embedding and untied.logits_rows == 32000 and untied.model.lm_head.part.out_features == 4000
+    alone = sharded_model_figures(workload, workload.with_depth(workload.size("gpt-7b"), 1), 1)  # one rank
+    assert not alone.embedding and alone.logits_rows == 0
 
 
 def test_gpt_70b_on_eight_tensor_parallel_ranks_holds_an_eighth_of_its_vocabulary_rows():
@@ -279,8 +281,8 @@ def test_the_guides_3d_question_answers_per_gpu_memory_fit_step_mfu_and_cost():
     assert checkpointed.speed.step_time_ms_p50 > 0 and checkpointed.comm_bytes_per_step > 0
     notes = "; ".join(checkpointed.notes)
     assert "pipeline bubble 18%" in notes and "tensor parallel sends" in notes  # 7 / 39
-    # One rank holds ~1/512 of the model states (the embeddings and head stay whole under tensor parallelism,
-    # so a little more).
+    # One rank holds ~1/512 of the model states (norms and position embeddings stay whole under tensor
+    # parallelism, so a little more).
     single = _projected("amp-bf16+checkpointing", 1, batch=1)
     ratio = checkpointed.memory.params / single.memory.params
     assert 1 / 512 < ratio < 1.5 / 512

@@ -89,7 +89,8 @@ CONTEXT_STEP = 64
 
 def max_context(cell: ResolvedCell, step: int = CONTEXT_STEP) -> int:
     """The longest prompt (a multiple of `step`, or 1..step-1 when only a short one fits) that a served
-    decoder's cell fits at its batch with its `gen_len` generated tokens, 0 if none; up to the model's
+    decoder's cell fits at its batch with its `gen_len` generated tokens (without cache-freeing retries:
+    runs_steadily), 0 if none; up to the model's
     longest sequence. Memory is affine in the context (KV cache, attention and activations grow with
     it): two projections give a guess, real projections bracket and bisect from there."""
     from harness.project import project
@@ -101,11 +102,11 @@ def max_context(cell: ResolvedCell, step: int = CONTEXT_STEP) -> int:
         return project(cell.with_spec(dataclasses.replace(spec, seq_len=prompt))).memory
 
     def fits(prompt: int) -> bool:
-        return bool(at(prompt).fits)
+        return runs_steadily(at(prompt))
 
     start = min(step, limit)
     first = at(start)
-    if not first.fits:
+    if not runs_steadily(first):
         return _largest(fits, 1, 1, 1, start - 1) if start > 1 and fits(1) else 0
     if start == limit:
         return start

@@ -259,6 +259,11 @@ def _shard_vocabulary(model: torch.nn.Module, workload, mesh) -> dict[str, str]:
         parallelize_module(model, mesh, plan)
     embedding = next((getattr(model, name) for name, kind in found.items() if kind == "embedding"), None)
     if embedding is not None:
+        # DTensor's embedding backward has no row-sharded rule: the whole table's gradient comes back on every
+        # rank (replicated). Keep the rank's rows as soon as it is accumulated, so the rank holds 1/t of it from
+        # there on (as the projection traces), not until the optimizer step. Module.to() after this would swap
+        # the parameter and drop the hook: the optimizer's pre-step hook (_grouped) is the safety net.
+        embedding.weight.register_post_accumulate_grad_hook(_keep_own_rows)
         def gathered_logits(x: torch.Tensor) -> torch.Tensor:
             replicated = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
             return torch.nn.functional.linear(replicated, embedding.weight).full_tensor()
@@ -349,6 +354,12 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
                         f"{ranks} of the sequence" if sequence else ""))
 
 
+def _keep_own_rows(weight: torch.Tensor) -> None:
+    grad = weight.grad
+    if grad is not None and grad.placements != weight.placements and all(p.is_replicate() for p in grad.placements):
+        weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
+
+
 def _vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: int, groups: int
                      ) -> tuple[int, int]:
     """(embedding, head) bytes a rank sends for the vocabulary-parallel layers `vocabulary`, on its 1/`groups`
@@ -364,7 +375,7 @@ def _vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: i
     if "head" not in vocabulary.values() and not tied:
         return int(sent_embedding), 0
     rows = embedding.num_embeddings if tied else getattr(run.model, roles.head).out_features
-    logits = run.batch_size // groups * (run.size.seq_len or 0) * rows
+    logits = run.batch_size * (run.size.seq_len or 0) * rows / groups  # a pipeline multiplies it back: no rounding
     return int(sent_embedding), int((ranks - 1) / ranks * logits * output_bytes(run) + 2 * unit * 4)
 
 
@@ -376,7 +387,7 @@ def _shard_sequence(model: torch.nn.Module, workload, mesh) -> None:
     A block's norm hands the gathered output on as a DTensor, as torchtitan's plans do: the column-parallel
     layers' input gradient (partial sums on each rank) then goes back through the gather as a
     reduce-scatter, where a plain tensor in between would make it a full all-reduce (counted on gloo: 1.38x
-    the bytes). The final norm feeds the replicated head a plain tensor."""
+    the bytes). The final norm feeds the head (vocabulary-parallel, its input replicated) a plain tensor."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel, parallelize_module
 
@@ -428,15 +439,12 @@ def _grouped(factory):
 
 
 def _gradients_placed_as_parameters(optimizer, args, kwargs) -> None:
-    """DTensor's embedding backward has no row-sharded rule: a vocabulary-parallel embedding's gradient comes
-    back as the whole table on every rank (replicated). Keep the rank's rows before the step, so the step
-    and what follows hold 1/t of it, as of its parameter."""
+    """A replicated gradient of a sharded parameter (a vocabulary-parallel embedding's, where its own hook was
+    dropped) cut to the rank's part before the step, so the step and what follows hold 1/t of it."""
     for group in optimizer.param_groups:
         for parameter in group["params"]:
-            grad = parameter.grad
-            if grad is not None and hasattr(grad, "placements") and grad.placements != parameter.placements \
-                    and all(p.is_replicate() for p in grad.placements):
-                parameter.grad = grad.redistribute(parameter.device_mesh, parameter.placements)
+            if parameter.grad is not None and hasattr(parameter.grad, "placements"):
+                _keep_own_rows(parameter)
 
 
 def _check_tp(profile, workload, mode):
@@ -503,7 +511,8 @@ def _tensor_parallel(ranks: int | None = None) -> Technique:
     base = Technique(
         id="tensor-parallel" + (f":t={ranks}" if ranks else ""), phase=Phase.PARALLEL, changes_numerics=False,
         guide="T13", exclusive="tensor-parallel",
-        summary="Megatron-style: QKV and first MLP layers column-parallel, output projections row-parallel (DTensor)",
+        summary="Megatron-style: QKV and first MLP layers column-parallel, output projections row-parallel, token "
+                "embedding and head vocabulary-parallel (DTensor)",
         check=_check_tp, apply=lambda run: _apply_tp(run, ranks))
     return replace(base, configure=lambda given: _tensor_parallel(
         rank_count("tensor-parallel", "t", "ranks per group", given)))

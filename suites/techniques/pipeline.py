@@ -201,7 +201,9 @@ def _apply(run: Run, options: PipelineOptions) -> None:
         group, index = run.mesh["pp"].get_group(), run.mesh["pp"].get_local_rank()
         line = run.mesh["dp"].get_local_rank()
     try:
-        run.model = pipelining.stage(run.model, index, stages).to(rank_device(run))
+        run.model = pipelining.stage(run.model, index, stages)
+        if not run.placed:  # tensor parallelism placed its shards (moving them again would drop their hooks)
+            run.model = run.model.to(rank_device(run))
     except ValueError as error:
         raise Unsupported(str(error)) from None
     run.placed = True
@@ -241,7 +243,8 @@ def _apply(run: Run, options: PipelineOptions) -> None:
 
 def stage_tied_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights this stage shares with another (a tied embedding on a pipeline's end stages)."""
-    return sum(p.numel() * p.element_size() for p in getattr(model, "tied_parameters", list)())
+    return sum(local.numel() * local.element_size() for local in
+               (p.to_local() if hasattr(p, "to_local") else p for p in getattr(model, "tied_parameters", list)()))
 
 
 def _declare(run: Run, options: PipelineOptions) -> None:
