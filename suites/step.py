@@ -111,7 +111,7 @@ class Step:
             # no_sync (PyTorch's DDP docs); FSDP2 reduce-scatters each, as it does by default.
             sync = self.model.no_sync() if index < parts - 1 and hasattr(self.model, "no_sync") \
                 else contextlib.nullcontext()
-            with sync:
+            with sync, run.loss_context():
                 if mark:
                     mark("forward_start")
                 with self.autocast():
@@ -123,7 +123,9 @@ class Step:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
                 if mark:
                     mark("backward_end")
-            total = loss.detach() if total is None else total + loss.detach()
+            value = loss.detach()
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value  # loss parallel's DTensor
+            total = value if total is None else total + value
         if self.scaler:
             self.scaler.step(optimizer)
             self.scaler.update()

@@ -237,12 +237,14 @@ def test_a_tensor_parallel_rank_shards_the_vocabulary_and_gathers_whole_logits()
     workload = get_workload("gpt")
     spec = workload.size("gpt3-175b")  # GPT-2's 50,257 tokens, its head tied to the embedding
     with torch.device("meta"):
-        part = workload.build(workload.with_depth(spec, 1))
+        part, gathered = (workload.build(workload.with_depth(spec, 1)) for _ in range(2))
     keep_rank_part(part, workload, 8)
+    keep_rank_part(gathered, workload, 8, gathered_logits=True)
     # 50,257 does not split in eight: PyTorch shards as torch.chunk does, ceil(V / 8) rows on a rank.
     assert part.wte.weight.shape == (6283, 12288) and part.lm_head is None
     tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    assert part(tokens).shape == (2, 16, 50257)  # the tied head's logits gathered whole on every rank
+    assert part(tokens).shape == (2, 16, 6283)  # the tied head's logits over the rank's rows: loss parallel
+    assert gathered(tokens).shape == (2, 16, 50257)  # under a pipeline, gathered whole on every rank
     figures = sharded_model_figures(workload, workload.with_depth(spec, 1), 8)
     assert figures.embedding and figures.logits_rows == 50257
     assert sum(p.numel() for p in figures.model.parameters()) == sum(p.numel() for p in part.parameters())

@@ -127,18 +127,20 @@ def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: in
     return 2 * share * ((sharded + outputs_again) * output_bytes + sharded * stream_bytes)
 
 
-def vocabulary_parallel_bytes(tp: int, elements: int, stream_bytes: int, embedding: bool, logits: int,
-                              logits_bytes: int) -> float:
+def vocabulary_parallel_bytes(tp: int, elements: int, stream_bytes: int, embedding: bool, head: bool,
+                              gathered_logits: int, logits_bytes: int) -> float:
     """Bytes each tensor-parallel rank sends per micro-batch for a vocabulary-parallel embedding and head
     (Megatron's, Shoeybi et al. 2019, section 3): the embedding's output (`elements` of the residual stream's
-    `stream_bytes`) all-reduced in the forward; the head's `logits` elements all-gathered in the matmul's
-    dtype and its input's gradient all-reduced in the backward. Neither is recomputed by checkpointing."""
+    `stream_bytes`) all-reduced in the forward; the head's input gradient all-reduced in the backward, and its
+    `gathered_logits` elements (0 under loss parallelism) all-gathered in the matmul's dtype. Neither is
+    recomputed by checkpointing. Loss parallelism's all-reduces of three fp32 numbers per token are left out
+    (a d-th of one activation each; the measured count cannot see them either)."""
     if tp == 1:
         return 0.0
     share = (tp - 1) / tp
     sent = 2 * share * elements * stream_bytes if embedding else 0.0
-    if logits:
-        sent += share * logits * logits_bytes + 2 * share * elements * stream_bytes
+    if head:
+        sent += share * gathered_logits * logits_bytes + 2 * share * elements * stream_bytes
     return sent
 
 

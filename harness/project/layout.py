@@ -163,7 +163,8 @@ def local_cell(cell: ResolvedCell, layout: Layout) -> ResolvedCell:
                               f"stepped by a full-precision optimizer; with {', '.join(blocking)} it is not yet "
                               f"(measure it, or project {layout.data_technique} without mp)")
     built = tuple(t for t in kept if t.phase <= Phase.COMPRESS)  # the weights as FSDP2 would shard them
-    stack = Stack(((rank_part(layout.tp),) if layout.tp > 1 else ())
+    # The logits stay sharded under loss parallelism, as tensor-parallel runs it without a pipeline.
+    stack = Stack(((rank_part(layout.tp, gathered_logits=layout.pp > 1),) if layout.tp > 1 else ())
                   + ((rank_experts(layout.ep),) if layout.ep > 1 else ()) + built
                   + ((gathered_in(layout.gather_dtype),) if layout.gather_dtype else ())
                   + tuple(t for t in kept if t not in built))

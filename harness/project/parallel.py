@@ -349,9 +349,11 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     # A recomputed block's last row-parallel output is skipped where it only feeds the residual add: both the
     # attention and the MLP sharded (the MLP's output last), and no dropout mask to recompute it for.
     skipped = layers if sharded >= 2 * layers and not local.spec.config.get("dropout") else 0
-    # The traced stage holds the embedding and the head (a pipeline's first and last stages' together).
-    vocabulary = vocabulary_parallel_bytes(layout.tp, elements, stream, part.embedding,
-                                           local.batch_size * (local.spec.seq_len or 0) * part.logits_rows, element)
+    # The traced stage holds the embedding and the head (a pipeline's first and last stages' together); the
+    # logits are gathered under a pipeline, kept sharded for loss parallelism without one.
+    gathered_logits = local.batch_size * (local.spec.seq_len or 0) * part.logits_rows if layout.pp > 1 else 0
+    vocabulary = vocabulary_parallel_bytes(layout.tp, elements, stream, part.embedding, part.logits_rows > 0,
+                                           gathered_logits, element)
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed,
                                                  skipped, ends) + vocabulary,
                  "pipeline": pipeline, "expert": 0.0}

@@ -6,7 +6,8 @@ Megatron-style tensor parallelism over t ranks (Shoeybi et al. 2019, arXiv:1909.
 QKV projection and the MLP's first layer (and its gate) keep 1/t of their output rows (whole heads and
 neurons), the output projections 1/t of their input columns with their bias whole (added once after
 the all-reduce); the token embedding and the head keep 1/t of the vocabulary's rows, the head's logits
-gathered whole on every rank; norms and position embeddings stay whole. Written by hand because PyTorch's
+sharded as loss parallelism keeps them (gathered whole on every rank under a pipeline, whose last stage hands
+plain logits to its loss); norms and position embeddings stay whole. Written by hand because PyTorch's
 DTensor sharding needs a live process group, which a projection has not.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from suites.techniques.base import Phase, Run, Technique
 from suites.techniques.parallel import tp_modules, vocabulary_modules
@@ -43,49 +45,95 @@ def _gathered(logits: torch.Tensor, ranks: int, vocabulary: int) -> torch.Tensor
 class VocabularyShard(nn.Embedding):
     """One rank's rows of a vocabulary-parallel embedding, as the trace needs it: ceil(V / t) rows (PyTorch
     shards unevenly as torch.chunk does), a lookup of every token into them (the real one masks the tokens
-    other ranks hold and all-reduces: the same shapes), and a tied head's logits gathered whole."""
+    other ranks hold and all-reduces: the same shapes), and a tied head's logits over its rows, gathered
+    whole where `gathered`."""
 
-    def __init__(self, embedding: nn.Embedding, ranks: int):
+    def __init__(self, embedding: nn.Embedding, ranks: int, gathered: bool):
         super().__init__(-(-embedding.num_embeddings // ranks), embedding.embedding_dim,
                          device=embedding.weight.device, dtype=embedding.weight.dtype)
         self.weight.requires_grad_(embedding.weight.requires_grad)
         self.train(embedding.training)
-        self.ranks, self.vocabulary = ranks, embedding.num_embeddings
+        self.ranks, self.vocabulary, self.gathered = ranks, embedding.num_embeddings, gathered
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return super().forward(tokens.remainder(self.num_embeddings))
 
     def gathered_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return _gathered(nn.functional.linear(x, self.weight), self.ranks, self.vocabulary)
+        logits = nn.functional.linear(x, self.weight)
+        return _gathered(logits, self.ranks, self.vocabulary) if self.gathered else logits
 
 
-class GatheredHead(nn.Module):
-    """One rank's rows of a vocabulary-parallel head (a column-parallel Linear over the vocabulary) and the
-    all-gather of every rank's logits."""
+class VocabularyHead(nn.Module):
+    """One rank's rows of a vocabulary-parallel head (a column-parallel Linear over the vocabulary), its
+    logits all-gathered from every rank where `gathered`, else kept for loss parallelism's cross-entropy."""
 
-    def __init__(self, head: nn.Linear, ranks: int):
+    def __init__(self, head: nn.Linear, ranks: int, gathered: bool):
         super().__init__()
         self.part = _narrowed(head, outputs=-(-head.out_features // ranks))
-        self.ranks, self.vocabulary = ranks, head.out_features
+        self.ranks, self.vocabulary, self.gathered = ranks, head.out_features, gathered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _gathered(self.part(x), self.ranks, self.vocabulary)
+        logits = self.part(x)
+        return _gathered(logits, self.ranks, self.vocabulary) if self.gathered else logits
 
 
-def keep_vocabulary_part(model: nn.Module, workload, ranks: int) -> int:
-    """Shrink `model`'s token embedding and head in place to one of `ranks` ranks' vocabulary rows; the
-    vocabulary's size (0 where nothing was sharded)."""
+class _ShardedCrossEntropy(torch.autograd.Function):
+    """loss_parallel's cross-entropy over a rank's logits [N, V / t], step for step as PyTorch computes it
+    (torch/distributed/tensor/parallel/loss.py: `_log_softmax`, `_nll_loss_forward`,
+    `_nll_loss_and_log_softmax_backward`), so the trace sees its tensors: the fp32 log-softmax kept for the
+    backward, and the backward's one-hot, exponential and product. Its all-reduces (a number per token) have
+    no process group to run on here and are left out; the target is taken modulo the rank's rows."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Half-precision logits are computed on in fp32 (autocast's log_softmax, the handler's promotion).
+        x = logits.to(torch.float32, memory_format=torch.contiguous_format)
+        shifted = x - x.amax(-1, keepdim=True)
+        result = shifted - torch.exp(shifted).sum(-1, keepdim=True).log()
+        local = target.remainder(result.shape[-1]).unsqueeze(-1)
+        ctx.save_for_backward(result, local)
+        ctx.logits_dtype = logits.dtype
+        return -result.gather(-1, local).mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        result, local = ctx.saved_tensors
+        one_hot = torch.zeros_like(result).scatter_(-1, local, -1.0)
+        scaled = grad / local.numel()
+        return ((one_hot + torch.exp(result)) * scaled).to(ctx.logits_dtype), None
+
+
+class ShardedLoss(TorchFunctionMode):
+    """The trace's stand-in for `loss_parallel()`: a plain mean cross-entropy over logits sharded by
+    vocabulary goes through _ShardedCrossEntropy; any other call (weights, ignored labels) as it is."""
+
+    # cross_entropy hands a mode its defaults as keywords: these are the plain call's.
+    PLAIN = {"weight": None, "size_average": None, "reduce": None, "reduction": "mean", "label_smoothing": 0.0}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        plain = all(kwargs.get(key, value) == value for key, value in self.PLAIN.items())
+        if func is nn.functional.cross_entropy and plain and len(args) >= 2 and args[2:] in ((), (None,)):
+            return _ShardedCrossEntropy.apply(args[0], args[1])
+        return func(*args, **kwargs)
+
+
+def keep_vocabulary_part(model: nn.Module, workload, ranks: int, gathered: bool = False) -> int:
+    """Shrink `model`'s token embedding and head in place to one of `ranks` ranks' vocabulary rows, the
+    logits `gathered` whole or kept sharded; the vocabulary's size (0 where nothing was sharded)."""
     vocabulary = 0
     for name, kind in vocabulary_modules(model, workload).items():
         layer = getattr(model, name)
-        part = VocabularyShard(layer, ranks) if kind == "embedding" else GatheredHead(layer, ranks)
+        part = VocabularyShard(layer, ranks, gathered) if kind == "embedding" \
+            else VocabularyHead(layer, ranks, gathered)
         setattr(model, name, part)
         vocabulary = part.vocabulary
     return vocabulary
 
 
-def keep_rank_part(model: nn.Module, workload, ranks: int) -> int:
-    """Shrink `model` in place to what one of `ranks` tensor-parallel ranks holds; the modules sharded."""
+def keep_rank_part(model: nn.Module, workload, ranks: int, gathered_logits: bool = False) -> int:
+    """Shrink `model` in place to what one of `ranks` tensor-parallel ranks holds (its logits gathered whole or,
+    by default, sharded for loss parallelism); the modules sharded."""
     attention, mlp = workload.traits.attention, workload.traits.mlp
     modules = tp_modules(model, workload, ranks)
     for module, kind in modules:
@@ -101,21 +149,25 @@ def keep_rank_part(model: nn.Module, workload, ranks: int) -> int:
                     setattr(module, name, _narrowed(layer, outputs=layer.out_features // ranks))
             down = getattr(module, mlp.down)
             setattr(module, mlp.down, _narrowed(down, inputs=down.in_features // ranks))
-    keep_vocabulary_part(model, workload, ranks)
+    keep_vocabulary_part(model, workload, ranks, gathered_logits)
     return len(modules)
 
 
-def rank_part(ranks: int) -> Technique:
+def rank_part(ranks: int, gathered_logits: bool = False) -> Technique:
     """A projection-only technique that keeps one tensor-parallel rank's part of the model."""
 
     def apply(run: Run) -> None:
         found = set(vocabulary_modules(run.model, run.workload).values())
-        tied = "head" not in found and gathered_logits_rows(run.model, run.workload) > 0
-        layers = "the embedding and the head tied to it" if tied else f"the {' and '.join(sorted(found))}"
-        keep_rank_part(run.model, run.workload, ranks)
+        head = head_vocabulary(run.model, run.workload) > 0
+        layers = "the embedding and the head tied to it" if head and "head" not in found \
+            else f"the {' and '.join(sorted(found))}"
+        keep_rank_part(run.model, run.workload, ranks, gathered_logits)
+        logits = "logits gathered whole" if gathered_logits or not head else "logits sharded, loss parallel"
+        if head and not gathered_logits:
+            run.loss_context = ShardedLoss
         run.notes.append(f"one of {ranks} tensor-parallel ranks' part traced: attention and MLP modules at 1/{ranks} "
                          f"of their heads and neurons"
-                         + (f", {layers} at 1/{ranks} of the vocabulary (logits gathered whole)" if found else "")
+                         + (f", {layers} at 1/{ranks} of the vocabulary ({logits})" if found else "")
                          + ", the rest whole")
 
     return Technique(id=f"tensor-parallel-rank:t={ranks}", phase=Phase.PARALLEL, changes_numerics=False,
@@ -132,9 +184,9 @@ def activation_width(model: nn.Module, workload) -> int:
     raise ValueError(f"{workload.name} has no attention module named by its traits")
 
 
-def gathered_logits_rows(model: nn.Module, workload) -> int:
-    """The vocabulary whose logits a tensor-parallel rank all-gathers: its head's rows, or its embedding's
-    where the head is tied to it (0 where tensor parallelism shards neither)."""
+def head_vocabulary(model: nn.Module, workload) -> int:
+    """The vocabulary of the head tensor parallelism shards: its own rows, or the embedding's where the head
+    is tied to it (0 where it shards no head)."""
     roles, found = workload.traits.vocabulary, vocabulary_modules(model, workload)
     if "head" in found.values():
         return getattr(model, roles.head).out_features
@@ -151,7 +203,7 @@ class ShardedModel:
     sharded: int  # attention and MLP modules sharded
     width: int  # the activation width their all-reduces carry
     embedding: bool  # the token embedding is vocabulary-parallel (its output all-reduced)
-    logits_rows: int  # the vocabulary whose logits the head all-gathers (0: none)
+    logits_rows: int  # the vocabulary of the vocabulary-parallel head (0: none)
 
 
 def sharded_model_figures(workload, spec, ranks: int) -> ShardedModel:
@@ -160,7 +212,7 @@ def sharded_model_figures(workload, spec, ranks: int) -> ShardedModel:
     with torch.device("meta"):
         model = workload.build(spec)
     found = vocabulary_modules(model, workload) if ranks > 1 else {}
-    rows = gathered_logits_rows(model, workload) if ranks > 1 else 0
+    rows = head_vocabulary(model, workload) if ranks > 1 else 0
     sharded = keep_rank_part(model, workload, ranks) if ranks > 1 else 0
     width = activation_width(model, workload) if workload.traits.attention else 0
     return ShardedModel(model, sharded, width, "embedding" in found.values(), rows)

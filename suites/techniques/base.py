@@ -9,6 +9,7 @@ structure -> compression -> parallelism -> checkpointing -> compile -> data para
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ class Run:
             so measurement must not move it.
         allocator: the CUDA caching allocator's setting (`native`, `expandable_segments`, `cudaMallocAsync`).
         env: environment variables the cell process must have before the device starts.
+        loss_context: a context the training step computes the loss and runs the backward in
+            (tensor parallelism's loss_parallel: the cross-entropy over logits sharded by vocabulary).
         notes: facts worth recording in the row's reason/notes.
     """
 
@@ -120,6 +123,7 @@ class Run:
     vocabulary_comm: tuple[int, int] = (0, 0)
     placed: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    loss_context: Callable[[], Any] = contextlib.nullcontext
     notes: list[str] = field(default_factory=list)
 
 

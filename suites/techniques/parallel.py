@@ -243,18 +243,22 @@ def vocabulary_modules(model: torch.nn.Module, workload) -> dict[str, str]:
     return found
 
 
-def _shard_vocabulary(model: torch.nn.Module, workload, mesh) -> dict[str, str]:
+def _shard_vocabulary(model: torch.nn.Module, workload, mesh, parallel_loss: bool) -> dict[str, str]:
     """Megatron's vocabulary-parallel embedding and head (Shoeybi et al. 2019, section 3): each rank holds
     1/t of the vocabulary's rows. The embedding looks up the tokens its rows hold, zeroes the others and
-    all-reduces the sum (PyTorch's RowwiseParallel on an Embedding); the head computes its rows' logits and
-    all-gathers them (ColwiseParallel, output replicated), its input's gradient all-reduced backward. A head
-    tied to the embedding multiplies by the embedding's rows the same way (`gathered_logits`)."""
-    from torch.distributed.tensor import DTensor, Replicate
+    all-reduces the sum (PyTorch's RowwiseParallel on an Embedding); the head computes its rows' logits
+    (ColwiseParallel), its input's gradient all-reduced backward. With `parallel_loss` the logits stay
+    sharded and the cross-entropy runs on them under PyTorch's loss_parallel (torchtitan's default: each
+    rank's softmax over its rows, a few numbers per token all-reduced); without, they are all-gathered. A
+    head tied to the embedding multiplies by the embedding's rows the same way (`gathered_logits`)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     found = vocabulary_modules(model, workload)
+    head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if parallel_loss \
+        else ColwiseParallel(output_layouts=Replicate())
     plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()) if kind == "embedding"
-            else ColwiseParallel(output_layouts=Replicate()) for name, kind in found.items()}
+            else head for name, kind in found.items()}
     if plan:
         parallelize_module(model, mesh, plan)
     embedding = next((getattr(model, name) for name, kind in found.items() if kind == "embedding"), None)
@@ -266,7 +270,8 @@ def _shard_vocabulary(model: torch.nn.Module, workload, mesh) -> dict[str, str]:
         embedding.weight.register_post_accumulate_grad_hook(_keep_own_rows)
         def gathered_logits(x: torch.Tensor) -> torch.Tensor:
             replicated = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            return torch.nn.functional.linear(replicated, embedding.weight).full_tensor()
+            logits = torch.nn.functional.linear(replicated, embedding.weight)  # sharded by vocabulary
+            return logits if parallel_loss else logits.full_tensor()
 
         embedding.gathered_logits = gathered_logits
     return found
@@ -326,7 +331,13 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
             if mlp.gate and getattr(module, mlp.gate, None) is not None:
                 plan[mlp.gate] = ColwiseParallel()
         parallelize_module(module, mesh, plan)
-    vocabulary = _shard_vocabulary(run.model, run.workload, mesh)
+    # A pipeline's last stage hands its output to the schedule's loss as a plain tensor: logits gathered there.
+    parallel_loss = not stages
+    vocabulary = _shard_vocabulary(run.model, run.workload, mesh, parallel_loss)
+    if vocabulary and parallel_loss:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        run.loss_context = loss_parallel
     if sequence:
         _shard_sequence(run.model, run.workload, mesh)
     sharded = len(modules)
@@ -339,7 +350,7 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     # a reduce-scatter and an all-gather (the same bytes), and the sequence's cut adds two fp32 gathers: the
     # final norm's output forward, the entry's gradient backward.
     unit = (ranks - 1) / ranks * activations * run.batch_size // groups
-    run.vocabulary_comm = _vocabulary_comm(run, vocabulary, unit, ranks, groups)
+    run.vocabulary_comm = _vocabulary_comm(run, vocabulary, unit, ranks, groups, parallel_loss)
     run.comm_bytes_per_step = int(2 * unit * (output_bytes(run) + 4) * sharded + (2 * unit * 4 if sequence else 0)
                                   + sum(run.vocabulary_comm))
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
@@ -360,12 +371,14 @@ def _keep_own_rows(weight: torch.Tensor) -> None:
         weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
 
 
-def _vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: int, groups: int
-                     ) -> tuple[int, int]:
+def _vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: int, groups: int,
+                     parallel_loss: bool) -> tuple[int, int]:
     """(embedding, head) bytes a rank sends for the vocabulary-parallel layers `vocabulary`, on its 1/`groups`
     slice of the batch (`unit`: (t - 1) / t of one activation): the embedding's output all-reduced in its
-    weight's dtype; the head's logits all-gathered in the matmul's dtype and its input's fp32 gradient
-    all-reduced. A head tied to a sharded embedding is one too."""
+    weight's dtype; the head's input's fp32 gradient all-reduced and, unless the loss is parallel, its logits
+    all-gathered in the matmul's dtype. A head tied to a sharded embedding is one too. Left out: loss
+    parallelism's three all-reduces of one fp32 number per token (a d-th of one activation's bytes each),
+    which run inside DTensor's handlers where the counting mode does not see them."""
     if not vocabulary:
         return 0, 0
     roles = run.workload.traits.vocabulary
@@ -375,7 +388,8 @@ def _vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: i
     if "head" not in vocabulary.values() and not tied:
         return int(sent_embedding), 0
     rows = embedding.num_embeddings if tied else getattr(run.model, roles.head).out_features
-    logits = run.batch_size * (run.size.seq_len or 0) * rows / groups  # a pipeline multiplies it back: no rounding
+    # Not rounded to whole samples: a pipeline multiplies it back by its stages.
+    logits = 0 if parallel_loss else run.batch_size * (run.size.seq_len or 0) * rows / groups
     return int(sent_embedding), int((ranks - 1) / ranks * logits * output_bytes(run) + 2 * unit * 4)
 
 
