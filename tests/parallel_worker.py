@@ -48,6 +48,7 @@ def losses(stack: str, size: str = "smoke") -> dict:
     return {"losses": out, "local_params": local, "block_input_seq": seen[0][0] if seen else None,
             "block_input_dtype": seen[0][1] if seen else None,
             "optimizer_bytes": optimizer_state_bytes(step.optimizer),
+            "loss_parallel": getattr(run.loss_context, "__name__", "") == "loss_parallel",
             "embedding_grad_rows": None if grad is None else (grad.to_local() if hasattr(grad, "to_local")
                                                                else grad).shape[0],
             "comm": run.comm_bytes_per_step}

@@ -82,6 +82,7 @@ def test_tensor_parallel_shards_whole_heads_and_keeps_the_loss(single, tmp_path)
     assert result["local_params"] == single["local_params"] - halved // 2
     # DTensor's embedding backward returns the whole table's gradient; the rank keeps its own rows of it.
     assert single["embedding_grad_rows"] == 512 and result["embedding_grad_rows"] == 256
+    assert result["loss_parallel"] and not single["loss_parallel"]  # the logits never gathered: same losses
     # The projection's one-rank model holds exactly what the measured rank holds.
     from harness.project.tensor_parallel import keep_rank_part
 
@@ -286,6 +287,7 @@ def test_pipeline_stages_of_tensor_parallel_ranks_give_the_single_process_losses
                      [*TORCHRUN, "--standalone", "--nproc-per-node=4"])
     assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
     assert result["embedding_grad_rows"] == 256  # rank 0, the first stage: its half of the tied table's gradient
+    assert not result["loss_parallel"]  # the last stage hands plain (gathered) logits to the schedule's loss
     from harness.project.tensor_parallel import keep_rank_part
     from suites.workloads import get_workload
 

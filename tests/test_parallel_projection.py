@@ -254,6 +254,24 @@ def test_a_tensor_parallel_rank_shards_the_vocabulary_and_gathers_whole_logits()
     assert not alone.embedding and alone.logits_rows == 0
 
 
+def test_the_traced_loss_parallel_cross_entropy_is_the_cross_entropy_and_its_gradient():
+    # On one rank (every row its own) the projection's stand-in for loss_parallel computes what F.cross_entropy
+    # does, forward and backward: its tensors are those of a correct computation.
+    import torch
+
+    from harness.project.tensor_parallel import ShardedLoss
+
+    logits = torch.randn(12, 40, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 40, (12,))
+    expected = torch.nn.functional.cross_entropy(logits, target)
+    (want,) = torch.autograd.grad(expected, logits)
+    with ShardedLoss():
+        loss = torch.nn.functional.cross_entropy(logits, target)
+    assert loss.grad_fn.name().endswith("_ShardedCrossEntropyBackward")
+    (got,) = torch.autograd.grad(loss, logits)
+    assert torch.allclose(loss, expected) and torch.allclose(got, want)
+
+
 def test_gpt_70b_on_eight_tensor_parallel_ranks_holds_an_eighth_of_its_vocabulary_rows():
     # Llama-3 70B's 128,256-token embedding and head are 2.1B parameters: kept whole, 10.66B per rank; sharded,
     # the rank holds 70.6B / 8 and the norms (Megatron's vocabulary-parallel layers).

@@ -87,7 +87,8 @@ class _ShardedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # Half-precision logits are computed on in fp32 (autocast's log_softmax, the handler's promotion).
-        x = logits.to(torch.float32, memory_format=torch.contiguous_format)
+        computed = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
+        x = logits.to(computed, memory_format=torch.contiguous_format)
         shifted = x - x.amax(-1, keepdim=True)
         result = shifted - torch.exp(shifted).sum(-1, keepdim=True).log()
         local = target.remainder(result.shape[-1]).unsqueeze(-1)

@@ -357,7 +357,9 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
                      f"projections row-parallel and all-reduced; "
                      + (f"{' and '.join(sorted(set(vocabulary.values())))} vocabulary-parallel (1/{ranks} of the "
-                        "rows each, logits all-gathered); positions and norms replicated" if vocabulary
+                        "rows each, " + ("logits sharded into loss_parallel's cross-entropy" if parallel_loss
+                                         else "logits all-gathered") + "); positions and norms replicated"
+                        if vocabulary
                         else "embeddings and norms replicated")
                      + (f"; {groups} such groups on a {run.mesh.ndim}-D mesh (data-parallel groups, pipeline stages)"
                         if groups > 1 else "")
