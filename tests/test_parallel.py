@@ -282,8 +282,9 @@ def test_two_pipelines_side_by_side_sharded_by_fsdp_give_the_single_process_loss
 
 
 def test_pipeline_stages_of_tensor_parallel_ranks_give_the_single_process_losses(single, tmp_path):
-    # 4 ranks: 2 stages, each a group of 2 tensor-parallel ranks on the whole batch (stage-major mesh).
-    result = _worker("tensor-parallel:t=2+pipeline-parallel:p=2", tmp_path,
+    # 4 ranks: 2 stages, each a group of 2 tensor-parallel ranks on the whole batch (stage-major mesh); the stage
+    # count left to the ranks tensor parallelism leaves.
+    result = _worker("tensor-parallel:t=2+pipeline-parallel", tmp_path,
                      [*TORCHRUN, "--standalone", "--nproc-per-node=4"])
     assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
     assert result["embedding_grad_rows"] == 256  # rank 0, the first stage: its half of the tied table's gradient

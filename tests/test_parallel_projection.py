@@ -228,7 +228,7 @@ def test_one_tensor_parallel_rank_holds_its_part_of_each_sharded_layer():
     assert part.wte.weight.shape == (4000, 4096) and part.lm_head.part.weight.shape == (4000, 4096)
 
 
-def test_a_tensor_parallel_rank_shards_the_vocabulary_and_gathers_whole_logits():
+def test_a_tensor_parallel_rank_shards_the_vocabulary_and_its_logits_unless_a_pipeline_gathers_them():
     import torch
 
     from harness.project.tensor_parallel import keep_rank_part, sharded_model_figures
@@ -267,9 +267,18 @@ def test_the_traced_loss_parallel_cross_entropy_is_the_cross_entropy_and_its_gra
     (want,) = torch.autograd.grad(expected, logits)
     with ShardedLoss():
         loss = torch.nn.functional.cross_entropy(logits, target)
-    assert loss.grad_fn.name().endswith("_ShardedCrossEntropyBackward")
+    assert loss.grad_fn.name().endswith("_ShardedNllBackward")
     (got,) = torch.autograd.grad(loss, logits)
     assert torch.allclose(loss, expected) and torch.allclose(got, want)
+    # bf16 logits (GPT-2's tied head under amp-bf16): the log-softmax comes back in bf16 and autocast's fp32
+    # copy of it is what the nll keeps, as PyTorch's run keeps both.
+    half = logits.detach().bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16), ShardedLoss():
+        loss = torch.nn.functional.cross_entropy(half, target)
+    assert loss.grad_fn.saved_tensors[0].dtype == torch.float32
+    (got,) = torch.autograd.grad(loss, half)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.double(), want, atol=1e-2)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-2)
 
 
 def test_gpt_70b_on_eight_tensor_parallel_ranks_holds_an_eighth_of_its_vocabulary_rows():

@@ -4,7 +4,8 @@ One rank runs the single-device stack on its part of the model and its slice of 
 that cell: harness/project/layout.py), so the projection traces that (the same trace and allocator model as
 any cell) and then moves what the parallel techniques move:
 - tensor parallelism over t ranks: the rank's part of each attention and MLP module, and its rows of the
-  vocabulary-parallel embedding and head (their logits gathered whole), is what is traced
+  vocabulary-parallel embedding and head (their logits sharded for loss parallelism, gathered whole only
+  under a pipeline), is what is traced
   (harness/project/tensor_parallel.py), so its parameters, activations and matmuls are 1/t where sharded;
 - pipeline parallelism over p stages: one stage of depth L/p is traced at the micro-batch size, and the
   first stage holds the activations of every micro-batch in flight (all m under GPipe, p under 1F1B);

@@ -77,45 +77,64 @@ class VocabularyHead(nn.Module):
         return _gathered(logits, self.ranks, self.vocabulary) if self.gathered else logits
 
 
-class _ShardedCrossEntropy(torch.autograd.Function):
-    """loss_parallel's cross-entropy over a rank's logits [N, V / t], step for step as PyTorch computes it
-    (torch/distributed/tensor/parallel/loss.py: `_log_softmax`, `_nll_loss_forward`,
-    `_nll_loss_and_log_softmax_backward`), so the trace sees its tensors: the fp32 log-softmax kept for the
-    backward, and the backward's one-hot, exponential and product. Its all-reduces (a number per token) have
-    no process group to run on here and are left out; the target is taken modulo the rank's rows."""
+class _ShardedLogSoftmax(torch.autograd.Function):
+    """loss_parallel's log-softmax over a rank's logits [N, V / t], as PyTorch computes it
+    (torch/distributed/tensor/parallel/loss.py, `_log_softmax`): in fp32 for half-precision logits, returned
+    in their dtype and kept for the backward (autograd keeps the op's output). Its all-reduces (a number per
+    token) have no process group here and are left out. The backward passes the gradient on as is
+    (`_log_softmax_backward_handler`): the softmax's part is done by the nll backward."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # Half-precision logits are computed on in fp32 (autocast's log_softmax, the handler's promotion).
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
         computed = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
         x = logits.to(computed, memory_format=torch.contiguous_format)
         shifted = x - x.amax(-1, keepdim=True)
-        result = shifted - torch.exp(shifted).sum(-1, keepdim=True).log()
-        local = target.remainder(result.shape[-1]).unsqueeze(-1)
-        ctx.save_for_backward(result, local)
-        ctx.logits_dtype = logits.dtype
-        return -result.gather(-1, local).mean()
+        result = (shifted - torch.exp(shifted).sum(-1, keepdim=True).log()).to(logits.dtype)
+        ctx.save_for_backward(result)
+        ctx.dtype = logits.dtype
+        return result
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to(ctx.dtype)
+
+
+class _ShardedNll(torch.autograd.Function):
+    """loss_parallel's mean negative log-likelihood over a rank's log-softmax rows (`_nll_loss_forward`; the
+    target taken modulo the rank's rows), and its backward fused with the log-softmax's as PyTorch's
+    (`_nll_loss_and_log_softmax_backward`): a one-hot, the exponential, their sum and its product."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        local = target.remainder(x.shape[-1]).unsqueeze(-1)
+        ctx.save_for_backward(x, local)
+        return -x.gather(-1, local).mean()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        result, local = ctx.saved_tensors
-        one_hot = torch.zeros_like(result).scatter_(-1, local, -1.0)
-        scaled = grad / local.numel()
-        return ((one_hot + torch.exp(result)) * scaled).to(ctx.logits_dtype), None
+        x, local = ctx.saved_tensors
+        one_hot = torch.zeros_like(x).scatter_(-1, local, -1.0)
+        return (one_hot + torch.exp(x)) * (grad / local.numel()), None
 
 
 class ShardedLoss(TorchFunctionMode):
     """The trace's stand-in for `loss_parallel()`: a plain mean cross-entropy over logits sharded by
-    vocabulary goes through _ShardedCrossEntropy; any other call (weights, ignored labels) as it is."""
+    vocabulary goes through _ShardedLogSoftmax and _ShardedNll; any other call (class weights, label
+    smoothing, another reduction or ignored index) as it is."""
 
     # cross_entropy hands a mode its defaults as keywords: these are the plain call's.
-    PLAIN = {"weight": None, "size_average": None, "reduce": None, "reduction": "mean", "label_smoothing": 0.0}
+    PLAIN = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+             "label_smoothing": 0.0}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         plain = all(kwargs.get(key, value) == value for key, value in self.PLAIN.items())
         if func is nn.functional.cross_entropy and plain and len(args) >= 2 and args[2:] in ((), (None,)):
-            return _ShardedCrossEntropy.apply(args[0], args[1])
+            result = _ShardedLogSoftmax.apply(args[0])
+            if result.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(result.device.type):
+                # CUDA's autocast runs nll_loss in fp32: a copy of the log-softmax, kept for its backward too.
+                result = result.float()
+            return _ShardedNll.apply(result, args[1])
         return func(*args, **kwargs)
 
 

@@ -81,6 +81,7 @@ class Run:
         pipeline: this rank's pipeline stage runner (`pipeline-parallel`), which then runs the train step.
         pipeline_stages: the stages `pipeline-parallel:p=P` asks for, declared before the stack applies (None:
             no pipeline, or its stages are whatever ranks the others leave).
+        pipelined: the stack has a pipeline, declared before the stack applies (with or without its stages).
         mesh: the device mesh the stack's parallel techniques share: 2-D (`dp`, `tp`) where tensor
             parallelism runs in groups smaller than the world, 3-D (`pp`, `dp`, `tp`) where pipelines of
             such groups also run side by side (None: each builds a 1-D one).
@@ -118,6 +119,7 @@ class Run:
     mesh: Any = None
     pipeline: Any = None
     pipeline_stages: int | None = None
+    pipelined: bool = False
     sequence_parallel: bool = False
     comm_bytes_per_step: int | None = None
     vocabulary_comm: tuple[int, int] = (0, 0)

@@ -332,7 +332,7 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
                 plan[mlp.gate] = ColwiseParallel()
         parallelize_module(module, mesh, plan)
     # A pipeline's last stage hands its output to the schedule's loss as a plain tensor: logits gathered there.
-    parallel_loss = not stages
+    parallel_loss = not run.pipelined
     vocabulary = _shard_vocabulary(run.model, run.workload, mesh, parallel_loss)
     if vocabulary and parallel_loss:
         from torch.distributed.tensor.parallel import loss_parallel

@@ -251,6 +251,7 @@ def _declare(run: Run, options: PipelineOptions) -> None:
     """Tell the techniques applied before it how many stages it cuts (tensor parallelism then builds a 3-D
     mesh when pipelines of its groups run side by side)."""
     run.pipeline_stages = options.stages
+    run.pipelined = True
 
 
 def _technique(options: PipelineOptions) -> Technique:

@@ -118,7 +118,8 @@ class VocabularyRoles:
     """Attribute names, on the model (or a pipeline stage of it), of its token embedding and its output
     head: what tensor parallelism shards over the vocabulary. `head` names a Linear where the model has its
     own; where it holds None, the head is tied to the embedding and the model's logits call the embedding's
-    `gathered_logits(x)` when tensor parallelism gives it one (every rank's vocabulary rows, gathered)."""
+    `gathered_logits(x)` when tensor parallelism gives it one (logits over the rank's vocabulary rows, sharded
+    for loss parallelism or gathered from every rank)."""
 
     embedding: str = "wte"
     head: str | None = "lm_head"

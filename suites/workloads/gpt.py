@@ -222,7 +222,8 @@ def logits(x: torch.Tensor, lm_head: nn.Linear | None, wte: nn.Embedding) -> tor
     """The output projection. GPT-2 reads the embedding matrix (tied) and leaves the logits in the matmul's
     dtype, as nanoGPT does; Llama's own head returns them in fp32, as Meta's reference model does (and
     torchtitan's and HF's losses take them), so its cross-entropy runs in fp32 under autocast too. Under tensor
-    parallelism a rank holds some of the embedding's rows: its `gathered_logits` gathers every rank's."""
+    parallelism a rank holds some of the embedding's rows: its `gathered_logits` multiplies by them (the logits
+    sharded by vocabulary for loss parallelism, or gathered from every rank under a pipeline)."""
     if lm_head is not None:
         return lm_head(x).float()
     gathered = getattr(wte, "gathered_logits", None)
