@@ -91,14 +91,14 @@ def test_tensor_parallel_shards_whole_heads_and_keeps_the_loss(single, tmp_path)
 
 
 def test_a_vocabulary_parallel_head_of_its_own_keeps_the_loss_and_holds_half_the_rows(tmp_path):
-    # Llama's layout: its own head (column-parallel over the vocabulary, logits all-gathered) beside a
-    # vocabulary-parallel embedding; GPT-2's tied head is the test above.
+    # Llama's layout: its own head (column-parallel over the vocabulary, its fp32 logits sharded into
+    # loss_parallel's cross-entropy) beside a vocabulary-parallel embedding; GPT-2's tied head is the test above.
     from harness.project.tensor_parallel import keep_rank_part
     from suites.workloads import get_workload
 
     single = losses("baseline", "llama-smoke")
     result = _worker("tensor-parallel", tmp_path, [*TORCHRUN, "--standalone", "--nproc-per-node=2"], "llama-smoke")
-    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    assert result["losses"] == pytest.approx(single["losses"], rel=1e-5) and result["loss_parallel"]
     workload = get_workload("gpt")
     model = workload.build(workload.size("llama-smoke"))
     vocabulary = model.wte.weight.numel() + model.lm_head.weight.numel()
