@@ -20,7 +20,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from suites.techniques.base import Phase, Run, Technique
-from suites.techniques.parallel import tp_modules, vocabulary_modules
+from suites.techniques.parallel import tp_modules
+from suites.techniques.vocabulary_parallel import vocabulary_modules
 
 
 def _narrowed(layer: nn.Linear, outputs: int | None = None, inputs: int | None = None) -> nn.Linear:

@@ -19,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from suites.techniques.base import Phase, Run, Technique, Unsupported, choice_option, output_bytes
+from suites.techniques.vocabulary_parallel import gradients_placed_as_parameters, shard_vocabulary, vocabulary_comm
 
 
 def distributed():
@@ -228,55 +229,6 @@ def tp_modules(model: torch.nn.Module, workload, ranks: int):
     return found
 
 
-def vocabulary_modules(model: torch.nn.Module, workload) -> dict[str, str]:
-    """{attribute: "embedding" or "head"} of what tensor parallelism shards over the vocabulary on `model`
-    (a pipeline stage holds the embedding, the head, both or neither): plain Embedding and Linear layers
-    only. Shared by the real technique and the projection's one-rank model."""
-    roles = workload.traits.vocabulary
-    if roles is None:
-        return {}
-    found = {}
-    if isinstance(getattr(model, roles.embedding, None), torch.nn.Embedding):
-        found[roles.embedding] = "embedding"
-    if roles.head and isinstance(getattr(model, roles.head, None), torch.nn.Linear):
-        found[roles.head] = "head"
-    return found
-
-
-def _shard_vocabulary(model: torch.nn.Module, workload, mesh, parallel_loss: bool) -> dict[str, str]:
-    """Megatron's vocabulary-parallel embedding and head (Shoeybi et al. 2019, section 3): each rank holds
-    1/t of the vocabulary's rows. The embedding looks up the tokens its rows hold, zeroes the others and
-    all-reduces the sum (PyTorch's RowwiseParallel on an Embedding); the head computes its rows' logits
-    (ColwiseParallel), its input's gradient all-reduced backward. With `parallel_loss` the logits stay
-    sharded and the cross-entropy runs on them under PyTorch's loss_parallel (torchtitan's default: each
-    rank's softmax over its rows, a few numbers per token all-reduced); without, they are all-gathered. A
-    head tied to the embedding multiplies by the embedding's rows the same way (`gathered_logits`)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    found = vocabulary_modules(model, workload)
-    head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if parallel_loss \
-        else ColwiseParallel(output_layouts=Replicate())
-    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()) if kind == "embedding"
-            else head for name, kind in found.items()}
-    if plan:
-        parallelize_module(model, mesh, plan)
-    embedding = next((getattr(model, name) for name, kind in found.items() if kind == "embedding"), None)
-    if embedding is not None:
-        # DTensor's embedding backward has no row-sharded rule: the whole table's gradient comes back on every
-        # rank (replicated). Keep the rank's rows as soon as it is accumulated, so the rank holds 1/t of it from
-        # there on (as the projection traces), not until the optimizer step. Module.to() after this would swap
-        # the parameter and drop the hook: the optimizer's pre-step hook (_grouped) is the safety net.
-        embedding.weight.register_post_accumulate_grad_hook(_keep_own_rows)
-        def gathered_logits(x: torch.Tensor) -> torch.Tensor:
-            replicated = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            logits = torch.nn.functional.linear(replicated, embedding.weight)  # sharded by vocabulary
-            return logits if parallel_loss else logits.full_tensor()
-
-        embedding.gathered_logits = gathered_logits
-    return found
-
-
 def _apply_tp(run: Run, ranks: int | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -333,7 +285,7 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
         parallelize_module(module, mesh, plan)
     # A pipeline's last stage hands its output to the schedule's loss as a plain tensor: logits gathered there.
     parallel_loss = not run.pipelined
-    vocabulary = _shard_vocabulary(run.model, run.workload, mesh, parallel_loss)
+    vocabulary = shard_vocabulary(run.model, run.workload, mesh, parallel_loss)
     if vocabulary and parallel_loss:
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -350,7 +302,7 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     # a reduce-scatter and an all-gather (the same bytes), and the sequence's cut adds two fp32 gathers: the
     # final norm's output forward, the entry's gradient backward.
     unit = (ranks - 1) / ranks * activations * run.batch_size // groups
-    run.vocabulary_comm = _vocabulary_comm(run, vocabulary, unit, ranks, groups, parallel_loss)
+    run.vocabulary_comm = vocabulary_comm(run, vocabulary, unit, ranks, groups, parallel_loss)
     run.comm_bytes_per_step = int(2 * unit * (output_bytes(run) + 4) * sharded + (2 * unit * 4 if sequence else 0)
                                   + sum(run.vocabulary_comm))
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
@@ -365,34 +317,6 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
                         if groups > 1 else "")
                      + ("; sequence parallel: norms, dropout and the residual stream hold 1/"
                         f"{ranks} of the sequence" if sequence else ""))
-
-
-def _keep_own_rows(weight: torch.Tensor) -> None:
-    grad = weight.grad
-    if grad is not None and grad.placements != weight.placements and all(p.is_replicate() for p in grad.placements):
-        weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
-
-
-def _vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: int, groups: int,
-                     parallel_loss: bool) -> tuple[int, int]:
-    """(embedding, head) bytes a rank sends for the vocabulary-parallel layers `vocabulary`, on its 1/`groups`
-    slice of the batch (`unit`: (t - 1) / t of one activation): the embedding's output all-reduced in its
-    weight's dtype; the head's input's fp32 gradient all-reduced and, unless the loss is parallel, its logits
-    all-gathered in the matmul's dtype. A head tied to a sharded embedding is one too. Left out: loss
-    parallelism's three all-reduces of one fp32 number per token (a d-th of one activation's bytes each),
-    which run inside DTensor's handlers where the counting mode does not see them."""
-    if not vocabulary:
-        return 0, 0
-    roles = run.workload.traits.vocabulary
-    embedding = next((getattr(run.model, name) for name, kind in vocabulary.items() if kind == "embedding"), None)
-    sent_embedding = 2 * unit * embedding.weight.to_local().element_size() if embedding is not None else 0
-    tied = embedding is not None and roles.head is not None and getattr(run.model, roles.head, None) is None
-    if "head" not in vocabulary.values() and not tied:
-        return int(sent_embedding), 0
-    rows = embedding.num_embeddings if tied else getattr(run.model, roles.head).out_features
-    # Not rounded to whole samples: a pipeline multiplies it back by its stages.
-    logits = 0 if parallel_loss else run.batch_size * (run.size.seq_len or 0) * rows / groups
-    return int(sent_embedding), int((ranks - 1) / ranks * logits * output_bytes(run) + 2 * unit * 4)
 
 
 def _shard_sequence(model: torch.nn.Module, workload, mesh) -> None:
@@ -448,19 +372,10 @@ def _grouped(factory):
         groups = [{"params": [p for p in params if isinstance(p, DTensor)]},
                   {"params": [p for p in params if not isinstance(p, DTensor)]}]
         optimizer = factory([group for group in groups if group["params"]])
-        optimizer.register_step_pre_hook(_gradients_placed_as_parameters)
+        optimizer.register_step_pre_hook(gradients_placed_as_parameters)
         return optimizer
 
     return make
-
-
-def _gradients_placed_as_parameters(optimizer, args, kwargs) -> None:
-    """A replicated gradient of a sharded parameter (a vocabulary-parallel embedding's, where its own hook was
-    dropped) cut to the rank's part before the step, so the step and what follows hold 1/t of it."""
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            if parameter.grad is not None and hasattr(parameter.grad, "placements"):
-                _keep_own_rows(parameter)
 
 
 def _check_tp(profile, workload, mode):

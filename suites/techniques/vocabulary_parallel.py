@@ -1,0 +1,99 @@
+"""Megatron's vocabulary-parallel embedding and head for `tensor-parallel` (Shoeybi et al. 2019, section 3):
+each of t ranks holds 1/t of the vocabulary's rows of the token embedding and of the head, on PyTorch's
+DTensor (RowwiseParallel on the embedding, ColwiseParallel on the head), with the logits kept sharded into
+`loss_parallel`'s cross-entropy as torchtitan runs it, or gathered where a pipeline's last stage needs them
+whole. The bytes they send, for the techniques' formula. Shared with the projection's one-rank model
+(harness/project/tensor_parallel.py), which finds the same modules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from suites.techniques.base import Run, output_bytes
+
+
+def vocabulary_modules(model: torch.nn.Module, workload) -> dict[str, str]:
+    """{attribute: "embedding" or "head"} of what tensor parallelism shards over the vocabulary on `model`
+    (a pipeline stage holds the embedding, the head, both or neither): plain Embedding and Linear layers
+    only. Shared by the real technique and the projection's one-rank model."""
+    roles = workload.traits.vocabulary
+    if roles is None:
+        return {}
+    found = {}
+    if isinstance(getattr(model, roles.embedding, None), torch.nn.Embedding):
+        found[roles.embedding] = "embedding"
+    if roles.head and isinstance(getattr(model, roles.head, None), torch.nn.Linear):
+        found[roles.head] = "head"
+    return found
+
+
+def shard_vocabulary(model: torch.nn.Module, workload, mesh, parallel_loss: bool) -> dict[str, str]:
+    """Megatron's vocabulary-parallel embedding and head (Shoeybi et al. 2019, section 3): each rank holds
+    1/t of the vocabulary's rows. The embedding looks up the tokens its rows hold, zeroes the others and
+    all-reduces the sum (PyTorch's RowwiseParallel on an Embedding); the head computes its rows' logits
+    (ColwiseParallel), its input's gradient all-reduced backward. With `parallel_loss` the logits stay
+    sharded and the cross-entropy runs on them under PyTorch's loss_parallel (torchtitan's default: each
+    rank's softmax over its rows, a few numbers per token all-reduced); without, they are all-gathered. A
+    head tied to the embedding multiplies by the embedding's rows the same way (`gathered_logits`)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    found = vocabulary_modules(model, workload)
+    head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if parallel_loss \
+        else ColwiseParallel(output_layouts=Replicate())
+    plan = {name: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()) if kind == "embedding"
+            else head for name, kind in found.items()}
+    if plan:
+        parallelize_module(model, mesh, plan)
+    embedding = next((getattr(model, name) for name, kind in found.items() if kind == "embedding"), None)
+    if embedding is not None:
+        # DTensor's embedding backward has no row-sharded rule: the whole table's gradient comes back on every
+        # rank (replicated). Keep the rank's rows as soon as it is accumulated, so the rank holds 1/t of it from
+        # there on (as the projection traces), not until the optimizer step. Module.to() after this would swap
+        # the parameter and drop the hook: the optimizer's pre-step hook (_grouped) is the safety net.
+        embedding.weight.register_post_accumulate_grad_hook(_keep_own_rows)
+        def gathered_logits(x: torch.Tensor) -> torch.Tensor:
+            replicated = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            logits = torch.nn.functional.linear(replicated, embedding.weight)  # sharded by vocabulary
+            return logits if parallel_loss else logits.full_tensor()
+
+        embedding.gathered_logits = gathered_logits
+    return found
+
+
+def _keep_own_rows(weight: torch.Tensor) -> None:
+    grad = weight.grad
+    if grad is not None and grad.placements != weight.placements and all(p.is_replicate() for p in grad.placements):
+        weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
+
+
+def vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: int, groups: int,
+                     parallel_loss: bool) -> tuple[int, int]:
+    """(embedding, head) bytes a rank sends for the vocabulary-parallel layers `vocabulary`, on its 1/`groups`
+    slice of the batch (`unit`: (t - 1) / t of one activation): the embedding's output all-reduced in its
+    weight's dtype; the head's input's fp32 gradient all-reduced and, unless the loss is parallel, its logits
+    all-gathered in the matmul's dtype. A head tied to a sharded embedding is one too. Left out: loss
+    parallelism's three all-reduces of one fp32 number per token (a d-th of one activation's bytes each),
+    which run inside DTensor's handlers where the counting mode does not see them."""
+    if not vocabulary:
+        return 0, 0
+    roles = run.workload.traits.vocabulary
+    embedding = next((getattr(run.model, name) for name, kind in vocabulary.items() if kind == "embedding"), None)
+    sent_embedding = 2 * unit * embedding.weight.to_local().element_size() if embedding is not None else 0
+    tied = embedding is not None and roles.head is not None and getattr(run.model, roles.head, None) is None
+    if "head" not in vocabulary.values() and not tied:
+        return int(sent_embedding), 0
+    rows = embedding.num_embeddings if tied else getattr(run.model, roles.head).out_features
+    # Not rounded to whole samples: a pipeline multiplies it back by its stages.
+    logits = 0 if parallel_loss else run.batch_size * (run.size.seq_len or 0) * rows / groups
+    return int(sent_embedding), int((ranks - 1) / ranks * logits * output_bytes(run) + 2 * unit * 4)
+
+
+def gradients_placed_as_parameters(optimizer, args, kwargs) -> None:
+    """A replicated gradient of a sharded parameter (a vocabulary-parallel embedding's, where its own hook was
+    dropped) cut to the rank's part before the step, so the step and what follows hold 1/t of it."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if parameter.grad is not None and hasattr(parameter.grad, "placements"):
+                _keep_own_rows(parameter)
