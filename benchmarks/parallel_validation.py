@@ -71,7 +71,8 @@ CASES = (
     Published("GPT-3 175B, 1024x A100, t=8 p=16 d=8, batch 1536", "Megatron-LM README", "gpt3-175b",
               "a100-sxm4-80gb", "tensor-parallel:t=8+pipeline-parallel:p=16:m=192+data-parallel+amp-bf16"
               "+checkpointing", 1024, 1536, "hardware_tflops_per_gpu", 138,
-              "embedding replicated here (vocabulary-parallel there), fp32 master weights through autocast; "
+              "embedding and head vocabulary-parallel as there (logits gathered on the last stage here), fp32 "
+              "master weights through autocast; "
               "GPT-2's 50,257 tokens padded to 51,200 as Megatron pads them (its eq. 3 counts V = 51,200)",
               vocab=51200,
               memory_not_judged="torch.distributed.pipelining keeps a receive buffer per micro-batch in each "
