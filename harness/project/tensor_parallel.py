@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from suites.techniques.base import Phase, Run, Technique
 from suites.techniques.parallel import tp_modules
-from suites.techniques.vocabulary_parallel import vocabulary_modules
+from suites.techniques.vocabulary_parallel import head_vocabulary, vocabulary_modules
 
 
 def _narrowed(layer: nn.Linear, outputs: int | None = None, inputs: int | None = None) -> nn.Linear:
@@ -139,17 +139,13 @@ class ShardedLoss(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def keep_vocabulary_part(model: nn.Module, workload, ranks: int, gathered: bool = False) -> int:
+def keep_vocabulary_part(model: nn.Module, workload, ranks: int, gathered: bool = False) -> None:
     """Shrink `model`'s token embedding and head in place to one of `ranks` ranks' vocabulary rows, the
-    logits `gathered` whole or kept sharded; the vocabulary's size (0 where nothing was sharded)."""
-    vocabulary = 0
+    logits `gathered` whole or kept sharded."""
     for name, kind in vocabulary_modules(model, workload).items():
         layer = getattr(model, name)
-        part = VocabularyShard(layer, ranks, gathered) if kind == "embedding" \
-            else VocabularyHead(layer, ranks, gathered)
-        setattr(model, name, part)
-        vocabulary = part.vocabulary
-    return vocabulary
+        setattr(model, name, VocabularyShard(layer, ranks, gathered) if kind == "embedding"
+                else VocabularyHead(layer, ranks, gathered))
 
 
 def keep_rank_part(model: nn.Module, workload, ranks: int, gathered_logits: bool = False) -> int:
@@ -203,16 +199,6 @@ def activation_width(model: nn.Module, workload) -> int:
         if hasattr(module, roles.qkv) and hasattr(module, roles.heads):
             return getattr(module, roles.qkv).in_features
     raise ValueError(f"{workload.name} has no attention module named by its traits")
-
-
-def head_vocabulary(model: nn.Module, workload) -> int:
-    """The vocabulary of the head tensor parallelism shards: its own rows, or the embedding's where the head
-    is tied to it (0 where it shards no head)."""
-    roles, found = workload.traits.vocabulary, vocabulary_modules(model, workload)
-    if "head" in found.values():
-        return getattr(model, roles.head).out_features
-    tied = roles is not None and roles.head is not None and getattr(model, roles.head, None) is None
-    return getattr(model, roles.embedding).num_embeddings if tied and found else 0
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,16 @@ def vocabulary_modules(model: torch.nn.Module, workload) -> dict[str, str]:
     return found
 
 
+def head_vocabulary(model: torch.nn.Module, workload) -> int:
+    """The vocabulary of the head tensor parallelism shards on `model`: its own rows, or the embedding's where
+    the head is tied to it (0 where it shards no head)."""
+    roles, found = workload.traits.vocabulary, vocabulary_modules(model, workload)
+    if "head" in found.values():
+        return getattr(model, roles.head).out_features
+    tied = roles is not None and roles.head is not None and getattr(model, roles.head, None) is None
+    return getattr(model, roles.embedding).num_embeddings if tied and "embedding" in found.values() else 0
+
+
 def shard_vocabulary(model: torch.nn.Module, workload, mesh, parallel_loss: bool) -> dict[str, str]:
     """Megatron's vocabulary-parallel embedding and head (Shoeybi et al. 2019, section 3): each rank holds
     1/t of the vocabulary's rows. The embedding looks up the tokens its rows hold, zeroes the others and
@@ -78,13 +88,11 @@ def vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: in
     which run inside DTensor's handlers where the counting mode does not see them."""
     if not vocabulary:
         return 0, 0
-    roles = run.workload.traits.vocabulary
     embedding = next((getattr(run.model, name) for name, kind in vocabulary.items() if kind == "embedding"), None)
     sent_embedding = 2 * unit * embedding.weight.to_local().element_size() if embedding is not None else 0
-    tied = embedding is not None and roles.head is not None and getattr(run.model, roles.head, None) is None
-    if "head" not in vocabulary.values() and not tied:
+    rows = head_vocabulary(run.model, run.workload)  # the sharded modules keep their types and sizes
+    if not rows:
         return int(sent_embedding), 0
-    rows = embedding.num_embeddings if tied else getattr(run.model, roles.head).out_features
     # Not rounded to whole samples: a pipeline multiplies it back by its stages.
     logits = 0 if parallel_loss else run.batch_size * (run.size.seq_len or 0) * rows / groups
     return int(sent_embedding), int((ranks - 1) / ranks * logits * output_bytes(run) + 2 * unit * 4)
