@@ -254,6 +254,39 @@ def test_a_tensor_parallel_rank_shards_the_vocabulary_and_its_logits_unless_a_pi
     assert not alone.embedding and alone.logits_rows == 0
 
 
+def test_a_vocabulary_shard_passes_its_gradient_through_the_whole_tables_as_dtensor_computes_it():
+    # DTensor's embedding backward is replicated: every rank first holds the whole V x d gradient, then keeps its
+    # rows. The stand-in allocates the same (its backward's largest tensor is V rows), and on one rank its
+    # gradient is the embedding's own.
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from harness.project.tensor_parallel import VocabularyShard
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.embedding_dense_backward.default:
+                self.seen.append(tuple(out.shape))
+            return out
+
+    embedding = torch.nn.Embedding(50, 6)
+    tokens = torch.randint(0, 50, (3, 7))
+    shard = VocabularyShard(embedding, ranks=4, gathered=False)
+    with Shapes() as shapes:
+        shard(tokens).sum().backward()
+    assert shapes.seen == [(50, 6)] and shard.weight.grad.shape == (13, 6)
+    alone = VocabularyShard(embedding, ranks=1, gathered=False)
+    alone.weight.data.copy_(embedding.weight.data)
+    alone(tokens).square().sum().backward()
+    embedding(tokens).square().sum().backward()
+    assert torch.allclose(alone.weight.grad, embedding.weight.grad)
+
+
 def test_the_traced_loss_parallel_cross_entropy_is_the_cross_entropy_and_its_gradient():
     # On one rank (every row its own) the projection's stand-in for loss_parallel computes what F.cross_entropy
     # does, forward and backward: its tensors are those of a correct computation.

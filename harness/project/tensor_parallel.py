@@ -43,11 +43,32 @@ def _gathered(logits: torch.Tensor, ranks: int, vocabulary: int) -> torch.Tensor
     return whole if whole.shape[-1] == vocabulary else whole[..., :vocabulary]
 
 
+class _WholeTableGradient(torch.autograd.Function):
+    """A lookup into a rank's rows whose weight gradient is first computed for the whole vocabulary, then cut
+    to the rank's rows, as the real run does: DTensor has no row-sharded rule for the embedding's backward, so
+    every rank computes the whole table's gradient (replicated), and the technique's post-accumulate hook
+    keeps a copy of its own rows (suites/techniques/vocabulary_parallel._keep_own_rows; DTensor's
+    Replicate-to-Shard redistribution clones its chunk). V x d in the gradient's dtype, for one moment at the
+    end of the backward."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, weight: torch.Tensor, vocabulary: int) -> torch.Tensor:
+        ctx.save_for_backward(tokens)  # as the embedding's own backward keeps its indices
+        ctx.vocabulary, ctx.rows = vocabulary, weight.shape[0]
+        return nn.functional.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (tokens,) = ctx.saved_tensors
+        whole = torch.ops.aten.embedding_dense_backward(grad, tokens, ctx.vocabulary, -1, False)
+        return None, whole[: ctx.rows].clone(), None
+
+
 class VocabularyShard(nn.Embedding):
     """One rank's rows of a vocabulary-parallel embedding, as the trace needs it: ceil(V / t) rows (PyTorch
     shards unevenly as torch.chunk does), a lookup of every token into them (the real one masks the tokens
-    other ranks hold and all-reduces: the same shapes), and a tied head's logits over its rows, gathered
-    whole where `gathered`."""
+    other ranks hold and all-reduces: the same shapes) whose gradient passes through the whole table's
+    (`_WholeTableGradient`), and a tied head's logits over its rows, gathered whole where `gathered`."""
 
     def __init__(self, embedding: nn.Embedding, ranks: int, gathered: bool):
         super().__init__(-(-embedding.num_embeddings // ranks), embedding.embedding_dim,
@@ -57,7 +78,7 @@ class VocabularyShard(nn.Embedding):
         self.ranks, self.vocabulary, self.gathered = ranks, embedding.num_embeddings, gathered
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return super().forward(tokens.remainder(self.num_embeddings))
+        return _WholeTableGradient.apply(tokens.remainder(self.num_embeddings), self.weight, self.vocabulary)
 
     def gathered_logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.linear(x, self.weight)
