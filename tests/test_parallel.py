@@ -413,8 +413,10 @@ def test_sequence_parallel_scatters_its_gradients_and_sends_the_bytes_projected(
     # The column-parallel layers' input gradients go back through the norms' gathers as reduce-scatters, not
     # all-reduces; the recomputed blocks gather again but skip their last scatter (checkpointing stops early).
     counted = cell["notes"][cell["notes"].index("communication counted"):]
-    # All-reduced are the vocabulary-parallel embedding's output and the head's input gradient only: 2 x 2 (n - 1)
-    # / n of a [4, 64, 64] fp32 activation.
-    assert "reduce_scatter" in counted and "all_reduce 131,072" in counted
+    # All-reduced are the vocabulary-parallel embedding's output and the head's input gradient (2 x 2 (n - 1) / n
+    # of a [4, 64, 64] fp32 activation: 131,072), loss parallelism's three fp32 numbers per token (3 x 256 x 4:
+    # 3,072, which DTensor's handlers send) and the norms' partial gradients, once (640 fp32 parameters:
+    # 2,560; left partial, the optimizer's every use of them all-reduced them again, three times the bytes).
+    assert "reduce_scatter" in counted and "all_reduce 136,704" in counted
     assert cell["comm_bytes_per_step"] == twin["comm_bytes_per_step"] and twin["comm_error_vs_measured"] == 0
 

@@ -21,6 +21,12 @@ def _bytes(value) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
+def _is_dtensor(kind: type) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return issubclass(kind, DTensor)
+
+
 def _group_size(group) -> int:
     """Ranks of a c10d op's process group (a boxed ProcessGroup) or a functional op's group name."""
     import torch.distributed as dist
@@ -80,6 +86,12 @@ class CommVolumeMode(TorchDispatchMode):
         return round(sum(self.by_op.values()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A mode sees an op before a tensor subclass does, and what it runs is out of its sight: DTensor's op
+        # handlers (loss_parallel's all-reduces, sharding propagation's redistributions) would send unseen.
+        # Handing DTensor ops back lets DTensor run them and dispatch its collectives here, as PyTorch's own
+        # CommDebugMode does (torch/distributed/tensor/debug/_comm_mode.py).
+        if any(_is_dtensor(t) for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
         namespace, name = func.namespace, func._opname
         if namespace == "c10d" and name in _C10D:

@@ -128,20 +128,29 @@ def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: in
 
 
 def vocabulary_parallel_bytes(tp: int, elements: int, stream_bytes: int, embedding: bool, head: bool,
-                              gathered_logits: int, logits_bytes: int) -> float:
+                              gathered_logits: int, logits_bytes: int, tokens: int = 0) -> float:
     """Bytes each tensor-parallel rank sends per micro-batch for a vocabulary-parallel embedding and head
     (Megatron's, Shoeybi et al. 2019, section 3): the embedding's output (`elements` of the residual stream's
     `stream_bytes`) all-reduced in the forward; the head's input gradient all-reduced in the backward, and its
-    `gathered_logits` elements (0 under loss parallelism) all-gathered in the matmul's dtype. Neither is
-    recomputed by checkpointing. Loss parallelism's all-reduces of three fp32 numbers per token are left out
-    (a d-th of one activation each; the measured count cannot see them either)."""
+    `gathered_logits` elements all-gathered in the matmul's dtype, or, where none are (loss parallelism),
+    three fp32 numbers per token of the micro-batch's `tokens` all-reduced by the parallel cross-entropy (the
+    logits' maximum, the sum of their exponentials, the target's log-probability). Neither is recomputed by
+    checkpointing."""
     if tp == 1:
         return 0.0
     share = (tp - 1) / tp
     sent = 2 * share * elements * stream_bytes if embedding else 0.0
     if head:
         sent += share * gathered_logits * logits_bytes + 2 * share * elements * stream_bytes
+        if not gathered_logits:
+            sent += 3 * 2 * share * tokens * 4
     return sent
+
+
+def norm_gradient_bytes_sent(tp: int, norm_gradients: int) -> float:
+    """Bytes each sequence-parallel rank sends per micro-batch to all-reduce its norms' gradients
+    (`norm_gradients` bytes): each rank's are partial sums over its part of the sequence."""
+    return 2 * (tp - 1) / tp * norm_gradients if tp > 1 else 0.0
 
 
 def pipeline_bytes(pp: int, activation_bytes: int, micro_batches: int, tied_bytes: int) -> tuple[float, float]:

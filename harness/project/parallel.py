@@ -37,6 +37,7 @@ from harness.project.communication import (
     data_parallel_windows,
     exposed_s,
     link_bytes_s,
+    norm_gradient_bytes_sent,
     pipeline_bytes,
     tensor_parallel_bytes,
     vocabulary_parallel_bytes,
@@ -49,7 +50,7 @@ from harness.project.trace import BACKWARD_PHASES
 from suites.techniques import Stack, Unsupported
 from suites.techniques.expert import moe_layers
 from suites.techniques.offload import HostTraffic
-from suites.techniques.parallel import GATHER_DTYPES
+from suites.techniques.parallel import GATHER_DTYPES, norm_gradient_bytes
 
 # Blocks whose parameters FSDP2 holds unsharded at once: the one computing and the one prefetched.
 GATHERED_BLOCKS = 2
@@ -354,9 +355,11 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     # logits are gathered under a pipeline, kept sharded for loss parallelism without one.
     gathered_logits = local.batch_size * (local.spec.seq_len or 0) * part.logits_rows if layout.pp > 1 else 0
     vocabulary = vocabulary_parallel_bytes(layout.tp, elements, stream, part.embedding, part.logits_rows > 0,
-                                           gathered_logits, element)
+                                           gathered_logits, element, local.batch_size * (local.spec.seq_len or 0))
+    # The stage's norms (its blocks', and the final one's, traced with the end stages) reduce their gradients.
+    norms = norm_gradient_bytes_sent(layout.tp, norm_gradient_bytes(model)) if layout.sequence_parallel else 0.0
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed,
-                                                 skipped, ends) + vocabulary,
+                                                 skipped, ends) + vocabulary + norms,
                  "pipeline": pipeline, "expert": 0.0}
     if layout.ep > 1:
         per_micro["expert"] = all_to_all_bytes(layout.ep, moe, buffer, element) * (1 + 0.5 * recomputed)

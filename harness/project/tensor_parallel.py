@@ -47,7 +47,7 @@ class _WholeTableGradient(torch.autograd.Function):
     """A lookup into a rank's rows whose weight gradient is first computed for the whole vocabulary, then cut
     to the rank's rows, as the real run does: DTensor has no row-sharded rule for the embedding's backward, so
     every rank computes the whole table's gradient (replicated), and the technique's post-accumulate hook
-    keeps a copy of its own rows (suites/techniques/vocabulary_parallel._keep_own_rows; DTensor's
+    keeps a copy of its own rows (suites/techniques/vocabulary_parallel.place_gradient_as_parameter; DTensor's
     Replicate-to-Shard redistribution clones its chunk). V x d in the gradient's dtype, for one moment at the
     end of the backward."""
 

@@ -88,6 +88,8 @@ class Run:
         comm_bytes_per_step: bytes each rank sends per step for a parallel stack (ring algorithms).
         vocabulary_comm: (embedding, head) bytes of that which tensor parallelism's vocabulary-parallel
             embedding and head send, on its slice of the batch: a pipeline moves them to its end stages.
+        norm_gradient_comm: bytes of that which sequence parallelism's norms' gradient all-reduces send, for
+            the whole model: a pipeline counts its stage's.
         placed: a parallel technique put the model on its devices (FSDP2 offload keeps shards on the host),
             so measurement must not move it.
         allocator: the CUDA caching allocator's setting (`native`, `expandable_segments`, `cudaMallocAsync`).
@@ -123,6 +125,7 @@ class Run:
     sequence_parallel: bool = False
     comm_bytes_per_step: int | None = None
     vocabulary_comm: tuple[int, int] = (0, 0)
+    norm_gradient_comm: int = 0
     placed: bool = False
     env: dict[str, str] = field(default_factory=dict)
     loss_context: Callable[[], Any] = contextlib.nullcontext

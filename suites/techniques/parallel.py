@@ -19,7 +19,12 @@ from dataclasses import replace
 import torch
 
 from suites.techniques.base import Phase, Run, Technique, Unsupported, choice_option, output_bytes
-from suites.techniques.vocabulary_parallel import gradients_placed_as_parameters, shard_vocabulary, vocabulary_comm
+from suites.techniques.vocabulary_parallel import (
+    gradients_placed_as_parameters,
+    place_gradient_as_parameter,
+    shard_vocabulary,
+    vocabulary_comm,
+)
 
 
 def distributed():
@@ -292,6 +297,8 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
         run.loss_context = loss_parallel
     if sequence:
         _shard_sequence(run.model, run.workload, mesh)
+        # Each norm's gradient is a partial sum over the sequence's parts: all-reduced once per backward pass.
+        run.norm_gradient_comm = int(2 * (ranks - 1) / ranks * norm_gradient_bytes(run.model) * run.micro_batches)
     sharded = len(modules)
     run.optimizer_factory = _grouped(run.optimizer_factory)
     run.placed = True
@@ -304,7 +311,7 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     unit = (ranks - 1) / ranks * activations * run.batch_size // groups
     run.vocabulary_comm = vocabulary_comm(run, vocabulary, unit, ranks, groups, parallel_loss)
     run.comm_bytes_per_step = int(2 * unit * (output_bytes(run) + 4) * sharded + (2 * unit * 4 if sequence else 0)
-                                  + sum(run.vocabulary_comm))
+                                  + sum(run.vocabulary_comm) + run.norm_gradient_comm)
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
                      f"projections row-parallel and all-reduced; "
@@ -341,6 +348,15 @@ def _shard_sequence(model: torch.nn.Module, workload, mesh) -> None:
         parallelize_module(model, mesh, {name: SequenceParallel()})
         parallelize_module(model, mesh, {name: PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=not in_block)})
+        for parameter in model.get_submodule(name).parameters():
+            parameter.register_post_accumulate_grad_hook(place_gradient_as_parameter)
+
+
+def norm_gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the gradients of `model`'s norms (what sequence parallelism all-reduces after each backward)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+               for module in model.modules() if isinstance(module, torch.nn.LayerNorm | torch.nn.RMSNorm)
+               for p in module.parameters() if p.requires_grad)
 
 
 def _sequence_parallel(run: Run) -> None:

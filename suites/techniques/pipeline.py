@@ -147,7 +147,7 @@ def _tensor_parallel(model: torch.nn.Module) -> bool:
 
 
 def _apply(run: Run, options: PipelineOptions) -> None:
-    from suites.techniques.parallel import distributed, rank_device
+    from suites.techniques.parallel import distributed, norm_gradient_bytes, rank_device
 
     dist = distributed()
     world, pipelining = dist.get_world_size(), run.workload.pipelining
@@ -232,8 +232,12 @@ def _apply(run: Run, options: PipelineOptions) -> None:
     # tensor parallelism counted on a 1/stages slice of it at every stage.
     embedding, head = run.vocabulary_comm
     vocabulary = embedding * (stages * (index == 0) - 1) + head * (stages * (index == stages - 1) - 1)
+    # Sequence parallelism all-reduced the whole model's norm gradients once per backward: a stage holds its
+    # own norms, reduced after each micro-batch's backward.
+    norms = int(2 * (tensor - 1) / tensor * norm_gradient_bytes(run.model) * micro) - run.norm_gradient_comm \
+        if run.norm_gradient_comm else 0
     run.comm_bytes_per_step = (run.comm_bytes_per_step or 0) + activation * ((index < stages - 1) + (index > 0)) \
-        + tied_bytes // pipelines + int(moved) + vocabulary
+        + tied_bytes // pipelines + int(moved) + vocabulary + norms
     run.notes.append(f"stage {index + 1} of {stages} ({options.schedule.upper()}, {micro} micro-batches of "
                      f"{batch // micro}; torch.distributed.pipelining): its blocks"
                      + (", the embeddings" if index == 0 else "") + (", the head" if index == stages - 1 else "")

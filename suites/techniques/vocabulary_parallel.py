@@ -62,7 +62,7 @@ def shard_vocabulary(model: torch.nn.Module, workload, mesh, parallel_loss: bool
         # rank (replicated). Keep the rank's rows as soon as it is accumulated, so the rank holds 1/t of it from
         # there on (as the projection traces), not until the optimizer step. Module.to() after this would swap
         # the parameter and drop the hook: the optimizer's pre-step hook (_grouped) is the safety net.
-        embedding.weight.register_post_accumulate_grad_hook(_keep_own_rows)
+        embedding.weight.register_post_accumulate_grad_hook(place_gradient_as_parameter)
         def gathered_logits(x: torch.Tensor) -> torch.Tensor:
             replicated = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
             logits = torch.nn.functional.linear(replicated, embedding.weight)  # sharded by vocabulary
@@ -72,9 +72,13 @@ def shard_vocabulary(model: torch.nn.Module, workload, mesh, parallel_loss: bool
     return found
 
 
-def _keep_own_rows(weight: torch.Tensor) -> None:
+def place_gradient_as_parameter(weight: torch.Tensor) -> None:
+    """A post-accumulate hook: the DTensor gradient of `weight` redistributed to the parameter's placements
+    where DTensor's backward left it otherwise. A vocabulary-parallel embedding's comes back replicated (the
+    rank keeps a copy of its rows), a sequence-parallel norm's as partial sums over the sequence's parts
+    (all-reduced once here; left partial, every use of it by the optimizer would all-reduce it again)."""
     grad = weight.grad
-    if grad is not None and grad.placements != weight.placements and all(p.is_replicate() for p in grad.placements):
+    if grad is not None and hasattr(grad, "placements") and grad.placements != weight.placements:
         weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
 
 
@@ -83,9 +87,9 @@ def vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: in
     """(embedding, head) bytes a rank sends for the vocabulary-parallel layers `vocabulary`, on its 1/`groups`
     slice of the batch (`unit`: (t - 1) / t of one activation): the embedding's output all-reduced in its
     weight's dtype; the head's input's fp32 gradient all-reduced and, unless the loss is parallel, its logits
-    all-gathered in the matmul's dtype. A head tied to a sharded embedding is one too. Left out: loss
-    parallelism's three all-reduces of one fp32 number per token (a d-th of one activation's bytes each),
-    which run inside DTensor's handlers where the counting mode does not see them."""
+    all-gathered in the matmul's dtype, if it is, loss parallelism's three all-reduces of one fp32 number per
+    token (the logits' maximum, the sum of their exponentials and the target's log-probability, in
+    torch/distributed/tensor/parallel/loss.py). A head tied to a sharded embedding is one too."""
     if not vocabulary:
         return 0, 0
     embedding = next((getattr(run.model, name) for name, kind in vocabulary.items() if kind == "embedding"), None)
@@ -94,14 +98,17 @@ def vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: in
     if not rows:
         return int(sent_embedding), 0
     # Not rounded to whole samples: a pipeline multiplies it back by its stages.
-    logits = 0 if parallel_loss else run.batch_size * (run.size.seq_len or 0) * rows / groups
-    return int(sent_embedding), int((ranks - 1) / ranks * logits * output_bytes(run) + 2 * unit * 4)
+    tokens = run.batch_size * (run.size.seq_len or 0) / groups
+    share = (ranks - 1) / ranks
+    logits = 0 if parallel_loss else share * tokens * rows * output_bytes(run)
+    loss = 3 * 2 * share * tokens * 4 if parallel_loss else 0
+    return int(sent_embedding), int(logits + loss + 2 * unit * 4)
 
 
 def gradients_placed_as_parameters(optimizer, args, kwargs) -> None:
-    """A replicated gradient of a sharded parameter (a vocabulary-parallel embedding's, where its own hook was
-    dropped) cut to the rank's part before the step, so the step and what follows hold 1/t of it."""
+    """A gradient placed otherwise than its parameter (where the parameter's own hook was dropped) placed as
+    it before the step: a vocabulary-parallel embedding's cut to the rank's rows, a norm's partial sums reduced."""
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             if parameter.grad is not None and hasattr(parameter.grad, "placements"):
-                _keep_own_rows(parameter)
+                place_gradient_as_parameter(parameter)
