@@ -511,3 +511,15 @@ def test_the_command_line_says_what_it_cannot_project(args, message):
     done = subprocess.run([sys.executable, "-m", "harness.cli", "project", "--workload", "gpt", "--size", "gpt2-124m",
                            "--gpu", "h100-sxm", *args], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_pipelines_end_stage_is_costed_with_the_heads_collectives_not_also_the_first_stages_embeddings():
+    # gpt smoke, 2 tensor-parallel ranks x 2 stages, 8 micro-batches of 1 (64 tokens, width 64, vocabulary 512):
+    # the last stage sends what gloo counted on it, 1,376,256 bytes a step: its blocks' all-reduces and the
+    # head's input gradients (all_reduce 655,360), its gathered logits (all_gather 524,288), the gradients it
+    # sends back to the first stage (131,072) and the tied embedding's gradient (65,536). The first stage's
+    # embedding all-reduce (131,072) is not the last stage's.
+    cell = Cell("gpt", "smoke", "train", "tensor-parallel:t=2+pipeline-parallel:p=2", "cpu", 8, source="projected",
+                world_size=4).resolve(PROFILES)
+    row = project_outcome(cell)
+    assert row.status == "ok" and row.comm_bytes_per_step == 655_360 + 524_288 + 131_072 + 65_536

@@ -354,8 +354,12 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     # The traced stage holds the embedding and the head (a pipeline's first and last stages' together); the
     # logits are gathered under a pipeline, kept sharded for loss parallelism without one.
     gathered_logits = local.batch_size * (local.spec.seq_len or 0) * part.logits_rows if layout.pp > 1 else 0
-    vocabulary = vocabulary_parallel_bytes(layout.tp, elements, stream, part.embedding, part.logits_rows > 0,
-                                           gathered_logits, element, local.batch_size * (local.spec.seq_len or 0))
+    # Of the vocabulary-parallel layers, the stage costed sends the head's (without a pipeline, the embedding's
+    # too): a pipeline's last stage, whose head sends at least what the first stage's embedding does, or a
+    # middle stage, which has neither.
+    vocabulary = vocabulary_parallel_bytes(layout.tp, elements, stream, part.embedding and layout.pp == 1,
+                                           part.logits_rows > 0 and not middle, gathered_logits, element,
+                                           local.batch_size * (local.spec.seq_len or 0))
     # The stage's norms (its blocks', and the final one's, traced with the end stages) reduce their gradients.
     norms = norm_gradient_bytes_sent(layout.tp, norm_gradient_bytes(model)) if layout.sequence_parallel else 0.0
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed,
