@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
                        help="samples per step (default: the size's own; the global batch under --dp)")
     batch.add_argument("--max-batch", action="store_true",
                        help="solve for the largest batch that fits without the allocator freeing its cache and "
-                            "retrying each step")
+                            "retrying each step (a parallel stack: the largest global batch every rank fits)")
     project.add_argument("--max-context", action="store_true",
                        help="serving (--mode infer, gpt): solve for the longest prompt that fits at --batch-size")
     project.add_argument("--seq-len", type=_count, default=None, help="tokens per sample (language models)")

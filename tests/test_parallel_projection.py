@@ -523,3 +523,17 @@ def test_a_pipelines_end_stage_is_costed_with_the_heads_collectives_not_also_the
                 world_size=4).resolve(PROFILES)
     row = project_outcome(cell)
     assert row.status == "ok" and row.comm_bytes_per_step == 655_360 + 524_288 + 131_072 + 65_536
+
+
+def test_max_batch_on_data_parallel_ranks_is_the_largest_global_batch_every_rank_fits():
+    # The search steps by one sample per rank (a batch of 1 does not split over 4 ranks) and asks every rank.
+    request = ProjectRequest(gpu="l4", workload="gpt", size="gpt2-124m", technique="fsdp+amp-bf16", dp=4,
+                             max_batch=True)
+    (row,) = projected_rows(request, PROFILES)
+    assert row.status == "ok" and row.batch_size >= 8 and row.batch_size % 4 == 0
+    above = Cell("gpt", "gpt2-124m", "train", "fsdp+amp-bf16", "l4", row.batch_size + 4, source="projected",
+                 world_size=4).resolve(PROFILES)
+    assert project_outcome(above).status == "oom"
+    with pytest.raises(ValueError, match="each solve for one unknown"):
+        projected_rows(ProjectRequest(gpu="l4", workload="gpt", size="gpt2-124m", technique="fsdp+amp-bf16",
+                                      min_gpus=True, max_batch=True), PROFILES)

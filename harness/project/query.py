@@ -19,6 +19,7 @@ from harness.project.search import (
     largest_model,
     max_batch,
     max_context,
+    max_parallel_batch,
     smallest_batch,
 )
 from harness.records import Record
@@ -143,6 +144,9 @@ def projected_rows(request: ProjectRequest, profiles) -> list[Record]:
     """The projected row of the request's cell on each GPU it names; with `max_batch`, at the largest
     batch that fits each; with `min_gpus`, on the fewest GPUs that hold it."""
     if request.min_gpus:
+        if request.max_batch:
+            raise ValueError("--min-gpus and --max-batch each solve for one unknown: give --min-gpus with a batch "
+                             "(--batch-size N, or the size's per group), or --max-batch with --dp N")
         if request.ep:
             raise ValueError("--min-gpus searches data-parallel groups, which expert parallelism shares its ranks "
                              "with: give --ep N (at most the size's experts) instead")
@@ -188,7 +192,11 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
             least = smallest_batch(cell.stack, cell.workload, cell.mode)
             batch = least
             try:
-                batch = max_batch(cell, step=batch_step(cell.stack), smallest=least) or least
+                if cell.stack.parallel:  # every rank's memory, at a batch its ranks and micro-batches split
+                    least = batch = cell.batch_size
+                    batch = max_parallel_batch(cell) or batch
+                else:
+                    batch = max_batch(cell, step=batch_step(cell.stack), smallest=least) or least
             except Unsupported:
                 pass  # raised by the stack at this size: the row reports it
             except Exception as exc:  # a model that fails to trace (a user's): its row below says how

@@ -152,6 +152,34 @@ def _largest(fits, start: int, guess: int, step: int, limit: int) -> int:
     return low
 
 
+def max_parallel_batch(cell: ResolvedCell, limit: int = MAX_BATCH_LIMIT) -> int:
+    """The largest global batch on which every rank of a parallel cell fits, 0 if none: a multiple of one
+    sample per data-parallel rank and micro-batch (and accumulated pass). A rank's memory is affine in its
+    batch, so two projections give the slope and a guess; real projections bracket and bisect from there."""
+    from harness.project import project_outcome
+    from harness.project.layout import layout_of
+
+    layout = layout_of(cell)
+    step = layout.dp * layout.micro_batches * batch_step(cell.stack)
+    reserved = {}
+
+    def fits(batch: int) -> bool:
+        outcome = project_outcome(cell.with_batch(batch))
+        reserved[batch] = outcome.memory.peak_reserved if outcome.memory else None
+        return outcome.status == "ok"
+
+    if not fits(step):
+        return 0
+    if 2 * step > limit or not fits(2 * step):
+        return step
+    slope = (reserved[2 * step] or 0) - (reserved[step] or 0)
+    capacity = cell.profile.per_device().capacity_bytes
+    guess = limit if slope <= 0 or not reserved[2 * step] else \
+        2 * step + int((capacity - reserved[2 * step]) // slope) * step
+    guess = max(2 * step, min(limit, guess) // step * step)
+    return _largest(fits, 2 * step, guess, step, limit)
+
+
 def batch_step(stack: Stack) -> int:
     """The batch must be a multiple of this: accumulation splits it into equal micro-batches."""
     return DEFAULT_MICRO_BATCHES if any(t.id == "grad-accumulation" for t in stack.techniques) else 1
