@@ -4,8 +4,9 @@ MFU counts the work of the model being trained or served, without recomputation:
 analytic count (PaLM's 6N-style formula, comparable with published MFU figures) for the model as
 built. Techniques that change the architecture (the STRUCTURE phase: low-rank factors, pruned heads
 and channels; sharing weights changes none) change that work, so the count is scaled by how much they
-shrink one forward's FLOPs, counted by `FlopCounterMode` on fake tensors. Techniques that store the
-same math differently (quantisation, sparsity, precision) leave it unchanged, by the usual
+shrink one forward's FLOPs, counted by `FlopCounterMode` on fake tensors; adapters (LoRA, QLoRA) change
+the training step's, whose frozen weights get no gradient, counted likewise over a forward and backward.
+Techniques that store the same math differently (quantisation, sparsity, precision) leave it unchanged, by the usual
 dense-equivalent convention; FlopCounterMode does not count their int8 or sparse kernels, so they
 must not enter the ratio.
 """
@@ -43,12 +44,50 @@ def model_flops_per_sample(cell: ResolvedCell) -> float:
     workload, spec, mode = cell.workload, cell.spec, cell.mode
     analytic = analytic_flops_per_sample(workload, spec, mode)
     structure = tuple(t for t in cell.stack.techniques if t.phase == Phase.STRUCTURE)
-    if not structure:
-        return analytic
-    as_built = _counted(cell, Stack(()))
-    if not as_built:
-        return analytic
-    return analytic * _counted(cell, Stack(structure)) / as_built
+    if structure:
+        as_built = _counted(cell, Stack(()))
+        analytic = analytic * _counted(cell, Stack(structure)) / as_built if as_built else analytic
+    adapters = tuple(_dense_adapter(t) for t in cell.stack.techniques if t.exclusive == "adapters")
+    if mode == "train" and adapters:
+        # A frozen weight gets no weight gradient: LoRA trains with about 2/3 of full training's FLOPs.
+        full = _counted_training(cell, Stack(structure))
+        analytic = analytic * _counted_training(cell, Stack(structure + adapters)) / full if full else analytic
+    return analytic
+
+
+def _dense_adapter(technique):
+    """The adapter technique whose math `technique` does: QLoRA's NF4 base weights are dequantised for each
+    matmul (the dense-equivalent convention), so its FLOPs are LoRA's with the same options."""
+    if technique.id.partition(":")[0] != "qlora":
+        return technique
+    from suites.techniques import parse_stack
+
+    (lora,) = parse_stack("lora" + technique.id[len("qlora"):]).techniques
+    return lora
+
+
+def _counted_training(cell: ResolvedCell, stack: Stack) -> float:
+    spec = cell.spec
+    key = ("train-step", cell.workload.name, spec.name, tuple(sorted(spec.config.items())), spec.seq_len,
+           spec.image_size, stack.name)
+    if key not in _COUNTED:
+        _COUNTED[key] = training_flops(cell.workload, spec, stack, cell.profile)
+    return _COUNTED[key]
+
+
+def training_flops(workload: Workload, spec: SizeSpec, stack: Stack, profile=None) -> float:
+    """FLOPs of one training forward and backward per sample through the model `stack` builds, counted by
+    FlopCounterMode on fake tensors: autograd computes no gradient for a weight the stack freezes."""
+    samples = 2  # BatchNorm in training needs more than one value per channel
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        run = Run(workload=workload, size=spec, mode="train", profile=profile, model=workload.build(spec),
+                  batch_size=samples)
+        stack.apply(run)
+        batch = workload.batch(spec, samples, torch.Generator().manual_seed(0))
+        counter = FlopCounterMode(display=False)
+        with counter, sdpa_kernel(SDPBackend.MATH):
+            workload.loss(run.model, batch).backward()
+    return float(counter.get_total_flops()) / samples
 
 
 BASELINE = Stack(())

@@ -50,3 +50,17 @@ def test_the_counted_forward_of_the_model_as_built_is_the_analytic_count(workloa
     spec = WORKLOADS[workload].sizes["smoke"]
     counted = forward_flops(WORKLOADS[workload], spec, Stack(()), "infer", H100)
     assert counted == pytest.approx(WORKLOADS[workload].forward_flops_per_sample(spec), rel=1e-9)
+
+
+def test_adapters_train_without_the_frozen_weights_gradients():
+    # Training a frozen weight's layer computes its input's gradient but not the weight's: about 2/3 of full
+    # training's FLOPs (attention's score products keep both gradients), plus the small adapters'. QLoRA
+    # dequantises to the same matmuls (dense-equivalent), so it counts as LoRA does.
+    def flops(technique: str) -> float:
+        cell = Cell("gpt", "gpt2-124m", "train", parse_stack(technique).name, H100.id, 8, source="projected")
+        return model_flops_per_sample(cell.resolve(PROFILES))
+
+    full, lora = flops("amp-bf16"), flops("amp-bf16+lora")
+    assert 2 / 3 < lora / full < 0.8
+    assert flops("amp-bf16+qlora") == lora and flops("lora") == lora
+    assert flops("amp-bf16+lora:r=64") > lora  # wider adapters, more of their own FLOPs
