@@ -356,7 +356,8 @@ def resolve_gpus(names: list[str], profiles: dict[str, GpuProfile]) -> list[GpuP
     the SXM's id and the family of the SXM and the NVL), so `bench-h200` covers both; `all` is every GPU."""
     fams = families(profiles)
     chosen: dict[str, GpuProfile] = {}
-    for name in names:
+    known = set(profiles) | set(fams) | {"all"}
+    for name in _split_names(names, known):
         if name == "all" and "all" not in profiles:  # every GPU profile (the CPU is not one to buy)
             for profile in profiles.values():
                 if profile.vendor != "cpu":
@@ -367,8 +368,15 @@ def resolve_gpus(names: list[str], profiles: dict[str, GpuProfile]) -> list[GpuP
         elif name in profiles:
             chosen.setdefault(name, profiles[name])
         else:
-            raise ValueError(unknown_name("GPU", name, sorted(set(profiles) | set(fams))))
+            raise ValueError(unknown_name("GPU", name, sorted(set(profiles) | set(fams)) + ["all"]))
     return list(chosen.values())
+
+
+def _split_names(names: list[str], known: set[str]) -> list[str]:
+    """Names as given on a command line: comma-separated lists (`h100-sxm,l4`) split, and a known name in
+    any letter case (`H100-SXM`) as its id."""
+    parts = [part.strip() for name in names for part in name.split(",") if part.strip()]
+    return [part.lower() if part.lower() in known else part for part in parts]
 
 
 def unknown_name(what: str, name: str, valid: list[str]) -> str:

@@ -97,7 +97,12 @@ def test_resolve_family_and_ids(profiles):
     assert len(mixed) == 5 and len({p.id for p in mixed}) == 5
 
 
-@pytest.mark.parametrize("name", ["a10O", "A100", "h100sxm"])
+def test_names_in_any_case_and_comma_separated_lists_resolve(profiles):
+    assert [p.id for p in resolve_gpus(["H100-SXM,l4", " B200 "], profiles)] == ["h100-sxm", "l4", "b200"]
+    assert {p.id for p in resolve_gpus(["A100"], profiles)} == {p.id for p in resolve_gpus(["a100"], profiles)}
+
+
+@pytest.mark.parametrize("name", ["a10O", "A10O", "h100sxm"])
 def test_resolve_unknown_name_suggests(profiles, name):
     with pytest.raises(ValueError) as info:
         resolve_gpus(["t4", name], profiles)
@@ -105,7 +110,7 @@ def test_resolve_unknown_name_suggests(profiles, name):
     assert repr(name) in message
     assert "did you mean" in message
     suggestions = message.split("did you mean", 1)[1].split("?", 1)[0]
-    close = {"a10O": {"a100", "a10"}, "A100": {"a100", "a10"}, "h100sxm": {"h100-sxm"}}[name]
+    close = {"a10O": {"a100", "a10"}, "A10O": {"a100", "a10"}, "h100sxm": {"h100-sxm"}}[name]
     assert close & {s.strip() for s in suggestions.split(",")}, message
 
 
