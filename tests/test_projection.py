@@ -476,3 +476,15 @@ def test_the_batch_model_gives_the_memory_a_trace_at_that_batch_gives(workload, 
         assert modelled.peak_allocated == pytest.approx(real.peak_allocated, rel=1e-3, abs=64 * 1024)
         assert modelled.reserved["native"] == pytest.approx(real.reserved["native"], rel=0.01, abs=2 * MiB)
         assert modelled.fits == real.fits
+
+
+def test_the_largest_batch_says_what_it_leaves_and_whether_the_error_bar_stays_on_the_card():
+    from types import SimpleNamespace
+
+    from harness.project.query import _margin_note
+
+    gib = 2**30
+    inside = SimpleNamespace(batch_size=14, peak_reserved_bytes=76 * gib, peak_reserved_high_bytes=79 * gib)
+    assert _margin_note(inside, 80 * gib) == "--max-batch: batch 14 leaves 4.0 GiB of the card's 80 GiB"
+    over = SimpleNamespace(batch_size=14, peak_reserved_bytes=76 * gib, peak_reserved_high_bytes=86 * gib)
+    assert "upper end (86.0 GiB reserved) is over it" in _margin_note(over, 80 * gib)

@@ -205,8 +205,23 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
                 notes.append(f"--max-batch stopped at its search limit {MAX_BATCH_LIMIT}: a larger batch may fit")
             cell = cell.with_batch(batch)
     record = to_record(cell, project_outcome(cell), PROJECT_RUN_ID)
+    if search_batch and record.status == "ok":
+        notes.append(_margin_note(record, cell.profile.per_device().capacity_bytes))
     record.notes = "; ".join(filter(None, [record.notes, *notes]))
     return record
+
+
+def _margin_note(record: Record, capacity: int | None) -> str:
+    """What the largest batch leaves to spare, and whether the projection's error bar stays inside the card."""
+    if not capacity or not record.peak_reserved_bytes:
+        return ""
+    spare = (capacity - record.peak_reserved_bytes) / 2**30
+    note = f"--max-batch: batch {record.batch_size} leaves {spare:.1f} GiB of the card's {capacity / 2**30:.0f} GiB"
+    high = record.peak_reserved_high_bytes
+    if high and high > capacity:
+        note += (f", but the error bar's upper end ({high / 2**30:.1f} GiB reserved) is over it: a smaller batch "
+                 "is safer until a run on the card confirms this one")
+    return note
 
 
 def _needs_memory_size(profile, flag: str) -> None:
