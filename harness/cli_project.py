@@ -5,6 +5,9 @@ solves for the figure asked
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 from harness.cli import EXIT_CELLS_FAILED, _add_generation_flags, _add_user_model_flags, _user_workloads
 from harness.cli_args import UsageError, _count, _name, _profiles
 
@@ -46,12 +49,16 @@ def add_parser(sub) -> None:
                          help="expert-parallel ranks (the stack's expert-parallel:e=N; a MoE size: mixtral-8x7b)")
     project.add_argument("--format", choices=("table", "json"), default="table",
                          help="table (default) or json, one line per answer")
+    project.add_argument("--prices", type=Path, default=None, metavar="FILE.csv",
+                         help="GPU prices to cost the answer at instead of the profiles' (columns gpu, "
+                              "usd_per_hour, date, source), as `headroom report --prices`")
 
 
 
 def cmd_project(args) -> int:
     import json
 
+    from harness.prices import price_table
     from harness.project.query import ProjectRequest, largest_model_answers, projected_rows
 
     user = _user_workloads(args)
@@ -75,7 +82,8 @@ def cmd_project(args) -> int:
                   f"{answer['largest_size_that_fits'] or 'none'}"
                   + (f" ({answer['reason']})" if answer["reason"] else ""))
         return 0
-    records = projected_rows(request, profiles)
+    prices = price_table(profiles, args.prices)  # a bad --prices file fails before any projection
+    records = [priced(record, prices) for record in projected_rows(request, profiles)]
     for index, record in enumerate(records):
         row = record.to_dict()
         if args.format == "json":
@@ -84,6 +92,43 @@ def cmd_project(args) -> int:
         width = max(map(len, row))
         print("\n" * bool(index), end="")
         for key, value in row.items():
-            print(f"{key:{width}}  {'-' if value in (None, '') else value}")
+            print(f"{key:{width}}  {readable(key, value)}")
     # A projection that failed is not an answer: the row says why, the exit code that it failed.
     return EXIT_CELLS_FAILED if any(record.status == "error" for record in records) else 0
+
+
+def priced(record, prices):
+    """`record` costed at `prices` (the profiles' unless --prices replaced them), with a note saying which
+    price, of what date and from where, or that none is known and how to give one."""
+    from harness.prices import cost_rows
+
+    if record.status != "ok" or not record.throughput_samples_s:
+        return record
+    price = prices.get(record.gpu)
+    if price is None:
+        record.notes = "; ".join(filter(None, [record.notes, f"no price for {record.gpu}: give --prices FILE.csv "
+                                                             "(columns gpu, usd_per_hour, date, source)"]))
+        return record
+    (costed,) = cost_rows(pd_frame(record), prices).to_dict("records")
+    record.usd_per_million_samples = costed["usd_per_million_samples"]
+    record.usd_per_million_tokens = costed["usd_per_million_tokens"]
+    record.notes = "; ".join(filter(None, [record.notes, f"cost at {price.label} ({price.basis}; {price.source})"]))
+    return record
+
+
+def pd_frame(record):
+    import pandas as pd
+
+    return pd.DataFrame([record.to_dict()])
+
+
+def readable(key: str, value) -> str:
+    """A table cell: '-' for nothing, bytes also in GiB, other floats to 4 significant figures (json keeps
+    the raw values)."""
+    if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if key.endswith("_bytes") and isinstance(value, int | float) and abs(value) >= 2**20:
+        return f"{int(value):,} ({value / 2**30:,.2f} GiB)"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

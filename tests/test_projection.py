@@ -329,6 +329,23 @@ def test_project_takes_a_family_as_run_does(capsys):
     assert "unknown GPU 'h1OO'" in capsys.readouterr().err
 
 
+def test_project_costs_at_the_price_given_says_which_and_prints_bytes_in_gib(capsys, tmp_path):
+    args = ["project", "--gpu", "h100-sxm,mi250x", "--size", "smoke", "--format", "json"]
+    assert main(args) == 0
+    h100, mi250x = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert "cost at $3.78/h, 2026-05-07 (on-demand; Lambda" in h100["notes"]
+    assert mi250x["usd_per_million_samples"] is None and "no price for mi250x: give --prices" in mi250x["notes"]
+    prices = tmp_path / "prices.csv"
+    prices.write_text("gpu,usd_per_hour,date,source\nh100-sxm,7.56,2026-11-30,our negotiated rate\n")
+    assert main([*args, "--prices", str(prices)]) == 0
+    doubled = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert doubled["usd_per_million_samples"] == pytest.approx(2 * h100["usd_per_million_samples"])
+    assert "cost at $7.56/h, 2026-11-30 (on-demand; our negotiated rate)" in doubled["notes"]
+    assert main(["project", "--gpu", "h100-sxm", "--size", "smoke"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"peak_reserved_bytes +[\d,]+ \(\d+\.\d\d GiB\)", table)
+
+
 def test_largest_model_says_why_there_is_none_and_at_which_batch(capsys):
     assert main(["project", "--gpu", "t4", "--technique", "amp-bf16", "--largest-model"]) == 0
     out = capsys.readouterr().out
