@@ -112,7 +112,7 @@ def priced(record, prices):
     (costed,) = cost_rows(pd_frame(record), prices).to_dict("records")
     record.usd_per_million_samples = costed["usd_per_million_samples"]
     record.usd_per_million_tokens = costed["usd_per_million_tokens"]
-    record.notes = "; ".join(filter(None, [record.notes, f"cost at {price.label} ({price.basis}; {price.source})"]))
+    record.notes = "; ".join(filter(None, [record.notes, f"cost at {price.label} ({price.basis}, {price.source})"]))
     return record
 
 

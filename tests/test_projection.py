@@ -132,13 +132,27 @@ def test_a_phase_whose_peak_moment_switches_between_the_traced_depths_is_traced_
     assert not D.moment_switched(*consistent)
 
 
-def test_an_extrapolated_row_says_its_technique_notes_count_the_traced_layers():
-    # A technique counts what it touched on the 3-layer model it was applied to; the row's figures are the
-    # whole model's, so a note with such counts names the depth it was written at.
+def test_an_extrapolated_rows_technique_notes_count_the_whole_model():
+    # A technique counts what it touched on the 2- and 3-layer models it was applied to; those counts are
+    # affine in the depth like the trace's totals, so the row's note gives the whole model's: what the
+    # technique itself writes when applied to all 12 layers.
+    import torch
+
+    from suites.techniques import Run
+
     projection = project(_cell("gpt", "gpt2-124m", "lora+amp-bf16", gpu="l4"))
     lora = next(note for note in projection.trace.notes if "parameters trainable" in note)
-    assert lora.startswith("[3-layer trace] lora")
-    assert "[3-layer trace] extrapolated" not in " ".join(projection.trace.notes)  # the row's own notes are not
+    workload = WORKLOADS["gpt"]
+    with torch.device("meta"):
+        run = Run(workload=workload, size=workload.sizes["gpt2-124m"], mode="train", profile=PROFILES["l4"],
+                  model=workload.build(workload.sizes["gpt2-124m"]), batch_size=1)
+    parse_stack("lora").apply(run)
+    assert lora == next(note for note in run.notes if "parameters trainable" in note)
+    # A note whose changing figure is not a count keeps the deeper trace's, and says so.
+    from harness.project.depth import _notes_at_depth
+
+    assert _notes_at_depth(["1.5 GiB held"], ["2.0 GiB held"], lambda x, y: 2 * y - x, 3) == \
+        ["[3-layer trace] 2.0 GiB held"]
 
 
 def test_cuda_profiles_round_allocations_to_512_bytes():
@@ -333,14 +347,14 @@ def test_project_costs_at_the_price_given_says_which_and_prints_bytes_in_gib(cap
     args = ["project", "--gpu", "h100-sxm,mi250x", "--size", "smoke", "--format", "json"]
     assert main(args) == 0
     h100, mi250x = (json.loads(line) for line in capsys.readouterr().out.splitlines())
-    assert "cost at $3.78/h, 2026-05-07 (on-demand; Lambda" in h100["notes"]
+    assert "cost at $3.78/h, 2026-05-07 (on-demand, Lambda" in h100["notes"]
     assert mi250x["usd_per_million_samples"] is None and "no price for mi250x: give --prices" in mi250x["notes"]
     prices = tmp_path / "prices.csv"
     prices.write_text("gpu,usd_per_hour,date,source\nh100-sxm,7.56,2026-11-30,our negotiated rate\n")
     assert main([*args, "--prices", str(prices)]) == 0
     doubled = json.loads(capsys.readouterr().out.splitlines()[0])
     assert doubled["usd_per_million_samples"] == pytest.approx(2 * h100["usd_per_million_samples"])
-    assert "cost at $7.56/h, 2026-11-30 (on-demand; our negotiated rate)" in doubled["notes"]
+    assert "cost at $7.56/h, 2026-11-30 (on-demand, our negotiated rate)" in doubled["notes"]
     assert main(["project", "--gpu", "h100-sxm", "--size", "smoke"]) == 0
     table = capsys.readouterr().out
     assert re.search(r"peak_reserved_bytes +[\d,]+ \(\d+\.\d\d GiB\)", table)

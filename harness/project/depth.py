@@ -82,7 +82,7 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         activations_bytes=round(lin(a.activations_bytes, b.activations_bytes)), events=[],
         ops=_extrapolated_ops(a.ops, b.ops, lin), precision=b.precision, tf32=b.tf32,
         compiled=b.compiled, allocator=b.allocator,
-        notes=[_at_traced_depth(note, high) for note in b.notes]
+        notes=_notes_at_depth(a.notes, b.notes, lin, high)
         + [f"extrapolated from traces at {low} and {high} layers to {depth}"],
         untraced=b.untraced,
         param_count=round(lin(a.param_count, b.param_count)), gen_len=b.gen_len,
@@ -98,6 +98,35 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
 
 # A figure with thousands separators (bytes, parameter counts) in a technique's note.
 _COUNT = re.compile(r"\d{1,3}(?:,\d{3})+")
+
+
+# A whole number in a note (with or without thousands separators), or a decimal one.
+_NUMBER = re.compile(r"\d[\d,]*\d(?:\.\d+)?|\d(?:\.\d+)?")
+
+
+def _notes_at_depth(low: list[str], high: list[str], lin, depth: int) -> list[str]:
+    """The techniques' notes at the real depth: a note written at both traced depths in the same words, whose
+    counts differ, has each count extrapolated as the trace's totals are (parameters, bytes and blocks are
+    affine in the depth); any other note keeps the deeper trace's counts and says so."""
+    if len(low) != len(high):
+        return [_at_traced_depth(note, depth) for note in high]
+    return [b if a == b else _note_extrapolated(a, b, lin) or f"[{depth}-layer trace] {b}"
+            for a, b in zip(low, high, strict=True)]
+
+
+def _note_extrapolated(a: str, b: str, lin) -> str | None:
+    words_a, words_b = _NUMBER.split(a), _NUMBER.split(b)
+    counts_a, counts_b = _NUMBER.findall(a), _NUMBER.findall(b)
+    if words_a != words_b or len(counts_a) != len(counts_b):
+        return None
+    counts = []
+    for x, y in zip(counts_a, counts_b, strict=True):
+        if x != y and ("." in x or "." in y):
+            return None  # a ratio or a size in GiB: not affine in the depth
+        value = y if x == y else round(lin(int(x.replace(",", "")), int(y.replace(",", ""))))
+        counts.append(value if isinstance(value, str) else f"{value:,}" if "," in y or value >= 10_000
+                      else str(value))
+    return "".join(word + count for word, count in zip(words_b, [*counts, ""], strict=True))
 
 
 def _at_traced_depth(note: str, depth: int) -> str:
