@@ -44,8 +44,8 @@ def _add_generation_flags(parser) -> None:
                         help="serving (--mode infer of gpt): prompt tokens prefilled into the KV cache "
                              "(default: the size's sequence less the generated tokens)")
     parser.add_argument("--gen-len", type=_count, default=None,
-                        help="serving: tokens generated per sequence, decoded one at a time (default 128, at most "
-                             "an eighth of the size's sequence)")
+                        help="serving: tokens generated per sequence, decoded one at a time (default: 128, or an "
+                             "eighth of the size's sequence where that is fewer)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -343,3 +343,11 @@ def test_serve_matrix_command_prints_keeps_and_reports(tmp_path, capsys):
     assert "Serving: which GPU holds which model" in html and "Serving: generation cells" in html
     assert main(["serve-matrix", "--weights", "fp8"]) == 2
     assert "unknown weight precision 'fp8'" in capsys.readouterr().err
+
+
+def test_a_batched_time_to_first_token_says_it_is_the_whole_batchs_prefill():
+    def notes(batch: int) -> str:
+        return "; ".join(project(_served("smoke", "baseline", "h100-sxm", batch=batch)).memory.notes)
+
+    assert "prefill of all 4 prompts in one step (static batching" in notes(4)
+    assert "static batching" not in notes(1)

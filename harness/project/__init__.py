@@ -68,6 +68,9 @@ def _project_fixed(cell: ResolvedCell) -> Projection:
         None if trace.gen_len else estimate(trace, profile, tf32_matmul=trace.tf32))
     if time is not None:
         memory.notes.extend(time.notes)
+    if generation is not None and cell.batch_size > 1:
+        memory.notes.append(f"ttft_ms is the prefill of all {cell.batch_size} prompts in one step (static batching, as "
+                            "the measured cell runs it), not one request's wait under a server's continuous batching")
     return Projection(memory, time, trace, generation)
 
 

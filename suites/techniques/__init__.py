@@ -183,8 +183,8 @@ def parse_stack(text: str) -> Stack:
             raise ValueError(f"technique {part!r} appears twice in stack {text!r}")
         clash = next((t for t in techniques if t.exclusive and t.exclusive == technique.exclusive), None)
         if clash:
-            raise ValueError(f"incompatible stack {text!r}: {clash.id} and {part} are both "
-                             f"{technique.exclusive} techniques; pick one")
+            raise ValueError(f"incompatible stack {text!r}: {clash.id} and {part} are both of one kind "
+                             f"({technique.exclusive}), of which a stack takes one; pick one")
         techniques.append(technique)
     # Phase order, then order and id within a phase, so every spelling of a stack has one canonical name.
     techniques.sort(key=lambda t: (t.phase, t.order, t.id))
