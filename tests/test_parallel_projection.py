@@ -537,3 +537,11 @@ def test_max_batch_on_data_parallel_ranks_is_the_largest_global_batch_every_rank
     with pytest.raises(ValueError, match="each solve for one unknown"):
         projected_rows(ProjectRequest(gpu="l4", workload="gpt", size="gpt2-124m", technique="fsdp+amp-bf16",
                                       min_gpus=True, max_batch=True), PROFILES)
+
+
+def test_a_parallel_rows_error_bar_says_what_it_rests_on():
+    cell = Cell("gpt", "gpt2-124m", "train", "fsdp+amp-bf16", "h100-sxm", 8, source="projected",
+                world_size=4).resolve(PROFILES)
+    row = project_outcome(cell)
+    assert row.speed.step_time_ms_low < row.speed.step_time_ms_p50 < row.speed.step_time_ms_high
+    assert row.interval_basis.startswith("step time: multi-GPU communication time not yet checked")

@@ -385,8 +385,10 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         reason = oom_reason(dataclasses.replace(memory, peak_allocated=peak,
                                                 reserved={memory.allocator: reserved}), cell.profile.id)
         reason += f" (per rank, {layout.describe()})"
+    basis = next((note for note in notes if note.startswith("step time: ")), None) if speed else None
     return Outcome(status=status, reason=reason, precision=trace.precision, memory=figures, speed=speed, fits=fits,
-                   device_name=cell.profile.name, notes=notes, comm_bytes_per_step=round(comm_bytes))
+                   device_name=cell.profile.name, notes=notes, comm_bytes_per_step=round(comm_bytes),
+                   interval_basis=basis)
 
 
 def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float], per_micro: dict[str, float],
