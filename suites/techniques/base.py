@@ -85,6 +85,7 @@ class Run:
         mesh: the device mesh the stack's parallel techniques share: 2-D (`dp`, `tp`) where tensor
             parallelism runs in groups smaller than the world, 3-D (`pp`, `dp`, `tp`) where pipelines of
             such groups also run side by side (None: each builds a 1-D one).
+        recomputed: the stack checkpoints whole blocks, declared before it applies (their forward runs twice).
         comm_bytes_per_step: bytes each rank sends per step for a parallel stack (ring algorithms).
         vocabulary_comm: (embedding, head) bytes of that which tensor parallelism's vocabulary-parallel
             embedding and head send, on its slice of the batch: a pipeline moves them to its end stages.
@@ -123,6 +124,7 @@ class Run:
     pipeline_stages: int | None = None
     pipelined: bool = False
     sequence_parallel: bool = False
+    recomputed: bool = False
     comm_bytes_per_step: int | None = None
     vocabulary_comm: tuple[int, int] = (0, 0)
     norm_gradient_comm: int = 0

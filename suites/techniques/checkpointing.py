@@ -108,7 +108,10 @@ def _selective(mm: str = "all") -> Technique:
 CHECKPOINTING = Technique(
     id="checkpointing", phase=Phase.CHECKPOINT, changes_numerics=False, guide="T5",
     summary="recompute each block's activations in backward (per-block checkpointing)",
-    check=train_only("checkpointing"), apply=_apply, exclusive="checkpointing")
+    check=train_only("checkpointing"), apply=_apply, exclusive="checkpointing",
+    # Declared before the stack applies: tensor parallelism, applied earlier, counts the collectives the
+    # recomputed blocks run again.
+    declare=lambda run: setattr(run, "recomputed", True))
 
 SELECTIVE_CHECKPOINTING = _selective()
 

@@ -311,7 +311,8 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
     unit = (ranks - 1) / ranks * activations * run.batch_size // groups
     run.vocabulary_comm = vocabulary_comm(run, vocabulary, unit, ranks, groups, parallel_loss)
     run.comm_bytes_per_step = int(2 * unit * (output_bytes(run) + 4) * sharded + (2 * unit * 4 if sequence else 0)
-                                  + sum(run.vocabulary_comm) + run.norm_gradient_comm)
+                                  + sum(run.vocabulary_comm) + run.norm_gradient_comm
+                                  + (_recomputed_comm(run, unit, sharded) if run.recomputed else 0))
     run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
                      f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
                      f"projections row-parallel and all-reduced; "
@@ -324,6 +325,19 @@ def _apply_tp(run: Run, ranks: int | None = None) -> None:
                         if groups > 1 else "")
                      + ("; sequence parallel: norms, dropout and the residual stream hold 1/"
                         f"{ranks} of the sequence" if sequence else ""))
+
+
+def _recomputed_comm(run: Run, unit: float, sharded: int) -> float:
+    """Bytes checkpointed blocks send again as their forward is recomputed (harness/project/communication.py,
+    tensor_parallel_bytes, says the same): each row-parallel output all-reduced again (with sequence
+    parallelism reduce-scattered, and each norm's fp32 output all-gathered again), but a block's last output
+    where it only feeds the residual add, which non-reentrant checkpointing stops before (counted on gloo)."""
+    layers = run.workload.depth(run.size) or 0
+    skipped = layers if sharded >= 2 * layers and not run.size.config.get("dropout") else 0
+    again = sharded - skipped
+    if run.sequence_parallel:
+        return unit * (4 * sharded + output_bytes(run) * again)
+    return 2 * unit * output_bytes(run) * again
 
 
 def _shard_sequence(model: torch.nn.Module, workload, mesh) -> None:
