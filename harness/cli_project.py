@@ -100,6 +100,8 @@ def cmd_project(args) -> int:
 def priced(record, prices):
     """`record` costed at `prices` (the profiles' unless --prices replaced them), with a note saying which
     price, of what date and from where, or that none is known and how to give one."""
+    import pandas as pd
+
     from harness.prices import cost_rows
 
     if record.status != "ok" or not record.throughput_samples_s:
@@ -109,17 +111,11 @@ def priced(record, prices):
         record.notes = "; ".join(filter(None, [record.notes, f"no price for {record.gpu}: give --prices FILE.csv "
                                                              "(columns gpu, usd_per_hour, date, source)"]))
         return record
-    (costed,) = cost_rows(pd_frame(record), prices).to_dict("records")
+    (costed,) = cost_rows(pd.DataFrame([record.to_dict()]), prices).to_dict("records")
     record.usd_per_million_samples = costed["usd_per_million_samples"]
     record.usd_per_million_tokens = costed["usd_per_million_tokens"]
     record.notes = "; ".join(filter(None, [record.notes, f"cost at {price.label} ({price.basis}, {price.source})"]))
     return record
-
-
-def pd_frame(record):
-    import pandas as pd
-
-    return pd.DataFrame([record.to_dict()])
 
 
 def readable(key: str, value) -> str:
