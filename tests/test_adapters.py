@@ -98,7 +98,7 @@ def test_options_are_checked_with_a_one_line_reason():
     for text, message in [("lora:", "key=value"), ("lora:r=4:r=8", "given twice"), ("lora:alpha=nan", "positive"),
                           ("amp-bf16:r=4", "takes no options"), ("lora:r", "key=value"),
                           ("lora:rank=4", "takes options r, alpha and targets"), ("lora:r=x", "whole number"),
-                          ("lora:r=0", "at least 1"), ("lora+qlora", "both adapters techniques")]:
+                          ("lora:r=0", "at least 1"), ("lora+qlora", r"both of one kind \(adapters\)")]:
         with pytest.raises(ValueError, match=message):
             parse_stack(text)
 
