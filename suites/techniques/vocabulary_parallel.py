@@ -86,8 +86,8 @@ def vocabulary_comm(run: Run, vocabulary: dict[str, str], unit: float, ranks: in
                      parallel_loss: bool) -> tuple[int, int]:
     """(embedding, head) bytes a rank sends for the vocabulary-parallel layers `vocabulary`, on its 1/`groups`
     slice of the batch (`unit`: (t - 1) / t of one activation): the embedding's output all-reduced in its
-    weight's dtype; the head's input's fp32 gradient all-reduced and, unless the loss is parallel, its logits
-    all-gathered in the matmul's dtype, if it is, loss parallelism's three all-reduces of one fp32 number per
+    weight's dtype; the head's input's fp32 gradient all-reduced; then either its logits all-gathered in the
+    matmul's dtype or, where the loss is parallel, loss parallelism's three all-reduces of one fp32 number per
     token (the logits' maximum, the sum of their exponentials and the target's log-probability, in
     torch/distributed/tensor/parallel/loss.py). A head tied to a sharded embedding is one too."""
     if not vocabulary:
