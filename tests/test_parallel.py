@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -25,13 +26,38 @@ PROFILES = load_profiles(None)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
+# torchrun's summary names the rank that failed first and how: a negative exit code is a signal.
+ROOT_CAUSE_SIGNAL = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*-(\d+)", re.DOTALL)
+
+
+def _killed_by_signal(stderr: str) -> bool:
+    """Whether the first rank to fail died of a signal (gloo's abort, a segfault), not of a Python error."""
+    return ROOT_CAUSE_SIGNAL.search(stderr) is not None
+
+
 def _worker(stack: str, tmp_path, launcher: list[str], size: str = "smoke") -> dict:
     out = tmp_path / f"{stack}.json"
-    done = subprocess.run([*launcher, "tests/parallel_worker.py", stack, str(out), size], capture_output=True,
-                          text=True, timeout=180)
+    command = [*launcher, "tests/parallel_worker.py", stack, str(out), size]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    if done.returncode and "pipeline-parallel" in stack and _killed_by_signal(done.stderr):
+        # Why once more: PyTorch's pipelining sends through batch_isend_irecv, which its maintainers call not
+        # yet stable on gloo (pytorch/PiPPy#1130). CI once saw a 4-rank run's rank abort inside glibc mid-schedule
+        # ("malloc(): unaligned tcache chunk detected"); 40 runs of these stacks in a row here did not. A Python
+        # error (exit code 1) or a second abort still fails the test.
+        done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     # The ranks' own messages come first, torchrun's summary of who died last: show both.
     assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-1500:]
     return json.loads(out.read_text())
+
+
+def test_only_a_rank_killed_by_a_signal_counts_as_an_abort():
+    summary = ("Root Cause (first observed failure):\n[0]:\n  rank      : 3 (local_rank: 3)\n"
+               "  exitcode  : {} (pid: 8054)")
+    assert _killed_by_signal(summary.format("-6"))
+    # A Python error in a rank (an assertion, Unsupported) exits with 1: no second try hides it.
+    assert not _killed_by_signal(summary.format("1"))
+    # Ranks torchrun stopped after another failed show SIGTERM above the root cause, not in it.
+    assert not _killed_by_signal("exitcode  : -15 (pid: 1)\n" + summary.format("1"))
 
 
 @pytest.fixture(scope="module")
