@@ -1,4 +1,4 @@
-"""Data parallelism and sharding on real gloo process groups (suites/techniques/parallel.py): the same
+"""Data, tensor, pipeline and expert parallelism on real gloo process groups (suites/techniques/): the same
 losses as one process, the shards' bytes, cells on several ranks with a row each, multi-node rendezvous,
 and plans sliced for job arrays."""
 

@@ -50,7 +50,8 @@ from harness.project.trace import BACKWARD_PHASES
 from suites.techniques import Stack, Unsupported
 from suites.techniques.expert import moe_layers
 from suites.techniques.offload import HostTraffic
-from suites.techniques.parallel import GATHER_DTYPES, norm_gradient_bytes
+from suites.techniques.parallel import GATHER_DTYPES
+from suites.techniques.tensor_parallel import norm_gradient_bytes
 
 # Blocks whose parameters FSDP2 holds unsharded at once: the one computing and the one prefetched.
 GATHERED_BLOCKS = 2

@@ -20,7 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from suites.techniques.base import Phase, Run, Technique
-from suites.techniques.parallel import tp_modules
+from suites.techniques.tensor_parallel import tp_modules
 from suites.techniques.vocabulary_parallel import head_vocabulary, vocabulary_modules
 
 

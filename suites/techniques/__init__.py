@@ -30,6 +30,7 @@ from suites.techniques import (
     serving,  # T1 as served, KV-cache int8
     sharing,  # T2
     sparsity,  # T10-T12
+    tensor_parallel,  # T13, T14: tensor and sequence parallelism
 )
 from suites.techniques.base import Phase, Run, Technique, Unsupported
 
@@ -52,6 +53,7 @@ FAMILIES = [
     offload,
     adapters,
     parallel,
+    tensor_parallel,
     pipeline,
     expert,
 ]

@@ -18,13 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from suites.techniques.base import Phase, Run, Technique, Unsupported, choice_option, output_bytes
-from suites.techniques.vocabulary_parallel import (
-    gradients_placed_as_parameters,
-    place_gradient_as_parameter,
-    shard_vocabulary,
-    vocabulary_comm,
-)
+from suites.techniques.base import Phase, Run, Technique, Unsupported, choice_option
+from suites.techniques.vocabulary_parallel import gradients_placed_as_parameters
 
 
 def distributed():
@@ -44,7 +39,7 @@ def rank_device(run: Run) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _mesh(run: Run):
+def data_parallel_mesh(run: Run):
     """The data-parallel mesh: the `dp` dimension of the stack's 2-D or 3-D mesh, or every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -131,7 +126,7 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
 
     dist = distributed()
     _splits_batch(run, dist, sharded=True)
-    mesh = _mesh(run)
+    mesh = data_parallel_mesh(run)
     run.model.to(rank_device(run))
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     # Expert parallelism's experts are this rank's own: FSDP2 shards the rest over the same ranks (its
@@ -143,7 +138,7 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
             raise Unsupported("this torch's FSDP2 cannot leave the experts unsharded (fully_shard has no "
                               "ignored_params): upgrade torch to measure expert-parallel with fsdp")
         options["ignored_params"] = experts
-        run.optimizer_factory = _grouped(run.optimizer_factory)  # sharded DTensors and plain experts apart
+        run.optimizer_factory = grouped_optimizer(run.optimizer_factory)  # sharded DTensors and plain experts apart
     if offload:
         options["offload_policy"] = CPUOffloadPolicy()
     if mp:
@@ -191,193 +186,6 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
                        "reduce-scatter)")
 
 
-def _head_major(weight: torch.Tensor, heads: int, kv_heads: int, ranks: int) -> torch.Tensor:
-    """A fused [q; k; v] projection's rows regrouped as [q_0; k_0; v_0; q_1; k_1; v_1; ...], where rank r's
-    part holds its own query heads and the key/value heads they read, so that sharding the rows into
-    contiguous equal blocks (what ColwiseParallel does) gives each rank whole heads of all three."""
-    size = weight.shape[0] // (heads + 2 * kv_heads)
-    q, k, v = weight.split((heads * size, kv_heads * size, kv_heads * size))
-    parts = [chunk for r in range(ranks) for chunk in (q.chunk(ranks)[r], k.chunk(ranks)[r], v.chunk(ranks)[r])]
-    return torch.cat(parts)
-
-
-def tp_modules(model: torch.nn.Module, workload, ranks: int):
-    """(module, "attention" or "mlp") for each module tensor parallelism shards over `ranks`, checked
-    that it splits: whole query and key/value heads per rank, MLP neurons in equal parts, plain Linear
-    layers (another technique's wrapper cannot be sharded). Shared by the real technique and the
-    projection's one-rank model."""
-    roles, mlp = workload.traits.attention, workload.traits.mlp
-    found = []
-    for module in model.modules():
-        if hasattr(module, roles.qkv) and hasattr(module, roles.heads):
-            heads = getattr(module, roles.heads)
-            groups = getattr(module, roles.kv_groups) if roles.kv_groups else 1
-            if heads % ranks or (heads // groups) % ranks:
-                raise Unsupported(f"{heads} query and {heads // groups} key/value heads do not split over {ranks} "
-                                  "ranks")
-            qkv = getattr(module, roles.qkv)
-            if not isinstance(qkv, torch.nn.Linear):  # an adapter's wrapper: ColwiseParallel takes Linear layers
-                raise Unsupported(f"tensor parallelism shards plain Linear layers; {roles.qkv} is a "
-                                  f"{type(qkv).__name__} (another technique of the stack replaced it)")
-            found.append((module, "attention"))
-        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and hasattr(getattr(module, mlp.up), "base_layer"):
-            raise Unsupported(f"tensor parallelism shards plain Linear layers; {mlp.up} is wrapped by an adapter "
-                              f"({type(getattr(module, mlp.up)).__name__})")
-        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and isinstance(getattr(module, mlp.up),
-                                                                                  torch.nn.Linear):
-            if getattr(module, mlp.up).out_features % ranks:
-                raise Unsupported(f"{getattr(module, mlp.up).out_features} MLP neurons do not split over {ranks} "
-                                  "ranks")
-            found.append((module, "mlp"))
-    if not found:
-        raise Unsupported(f"{workload.name} declares no attention or MLP modules to shard")
-    return found
-
-
-def _apply_tp(run: Run, ranks: int | None = None) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    dist = distributed()
-    world = dist.get_world_size()
-    ranks = ranks or world
-    if world % ranks:
-        raise Unsupported(f"tensor-parallel:t={ranks} does not divide {world} ranks into groups")
-    stages = run.pipeline_stages
-    if ranks < world and stages and world // ranks > stages:
-        # 3D: `stages` x data-parallel x `ranks`, tensor parallelism innermost and pipeline stages outermost
-        # (torchtitan's order): one mesh, so that FSDP2's data-parallel dimension and the tensor-parallel
-        # one share the root it requires.
-        if world % (stages * ranks):
-            raise Unsupported(f"{stages} pipeline stages of {ranks} tensor-parallel ranks do not divide {world} "
-                              "ranks into data-parallel groups")
-        run.mesh = init_device_mesh(rank_device(run).type, (stages, world // stages // ranks, ranks),
-                                    mesh_dim_names=("pp", "dp", "tp"))
-        mesh = run.mesh["tp"]
-    elif ranks < world:
-        # Groups of `ranks` consecutive ranks (tensor parallelism innermost, on the fastest links), the
-        # groups side by side on the data-parallel dimension that a sharding technique then uses.
-        run.mesh = init_device_mesh(rank_device(run).type, (world // ranks, ranks), mesh_dim_names=("dp", "tp"))
-        mesh = run.mesh["tp"]
-    else:
-        mesh = _mesh(run)
-    roles, mlp = run.workload.traits.attention, run.workload.traits.mlp
-    run.model.to(rank_device(run))
-    modules = tp_modules(run.model, run.workload, ranks)
-    sequence = run.sequence_parallel
-    if sequence and run.size.seq_len % ranks:
-        raise Unsupported(f"sequence-parallel splits the {run.size.seq_len}-token sequence over {ranks} ranks: "
-                          "it does not divide")
-    # With sequence parallelism the row-parallel outputs are reduce-scattered along the sequence instead of
-    # all-reduced (the same bytes), and the residual stream between them stays sharded.
-    row = RowwiseParallel(output_layouts=Shard(1)) if sequence else RowwiseParallel()
-    for module, kind in modules:
-        if kind == "attention":
-            heads = getattr(module, roles.heads)
-            groups = getattr(module, roles.kv_groups) if roles.kv_groups else 1
-            qkv = getattr(module, roles.qkv)
-            with torch.no_grad():
-                qkv.weight.copy_(_head_major(qkv.weight, heads, heads // groups, ranks))
-                if qkv.bias is not None:
-                    qkv.bias.copy_(_head_major(qkv.bias, heads, heads // groups, ranks))
-            setattr(module, roles.heads, heads // ranks)  # this rank computes its own heads only
-            plan = {roles.qkv: ColwiseParallel(), roles.out: row}
-        else:
-            plan = {mlp.up: ColwiseParallel(), mlp.down: row}
-            if mlp.gate and getattr(module, mlp.gate, None) is not None:
-                plan[mlp.gate] = ColwiseParallel()
-        parallelize_module(module, mesh, plan)
-    # A pipeline's last stage hands its output to the schedule's loss as a plain tensor: logits gathered there.
-    parallel_loss = not run.pipelined
-    vocabulary = shard_vocabulary(run.model, run.workload, mesh, parallel_loss)
-    if vocabulary and parallel_loss:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        run.loss_context = loss_parallel
-    if sequence:
-        _shard_sequence(run.model, run.workload, mesh)
-        # Each norm's gradient is a partial sum over the sequence's parts: all-reduced once per backward pass.
-        run.norm_gradient_comm = int(2 * (ranks - 1) / ranks * norm_gradient_bytes(run.model) * run.micro_batches)
-    sharded = len(modules)
-    run.optimizer_factory = _grouped(run.optimizer_factory)
-    run.placed = True
-    activations = run.size.seq_len * run.size.config.get("n_embd", 0)  # elements per sample
-    groups = world // ranks  # each group runs its data-parallel slice of the batch
-    # Each module all-reduces its row-parallel output forward (in autocast's dtype) and its input's gradient
-    # backward (fp32: the norm's output, cast inside the layer). With sequence parallelism each all-reduce is
-    # a reduce-scatter and an all-gather (the same bytes), and the sequence's cut adds two fp32 gathers: the
-    # final norm's output forward, the entry's gradient backward.
-    unit = (ranks - 1) / ranks * activations * run.batch_size // groups
-    run.vocabulary_comm = vocabulary_comm(run, vocabulary, unit, ranks, groups, parallel_loss)
-    run.comm_bytes_per_step = int(2 * unit * (output_bytes(run) + 4) * sharded + (2 * unit * 4 if sequence else 0)
-                                  + sum(run.vocabulary_comm) + run.norm_gradient_comm
-                                  + (_recomputed_comm(run, unit, sharded) if run.recomputed else 0))
-    run.notes.append(f"tensor parallel over {ranks} ranks (DTensor parallelize_module): {sharded} attention/MLP "
-                     f"modules, QKV and first MLP layers column-parallel (whole heads per rank), output "
-                     f"projections row-parallel and all-reduced; "
-                     + (f"{' and '.join(sorted(set(vocabulary.values())))} vocabulary-parallel (1/{ranks} of the "
-                        "rows each, " + ("logits sharded into loss_parallel's cross-entropy" if parallel_loss
-                                         else "logits all-gathered") + "); positions and norms replicated"
-                        if vocabulary
-                        else "embeddings and norms replicated")
-                     + (f"; {groups} such groups on a {run.mesh.ndim}-D mesh (data-parallel groups, pipeline stages)"
-                        if groups > 1 else "")
-                     + ("; sequence parallel: norms, dropout and the residual stream hold 1/"
-                        f"{ranks} of the sequence" if sequence else ""))
-
-
-def _recomputed_comm(run: Run, unit: float, sharded: int) -> float:
-    """Bytes checkpointed blocks send again as their forward is recomputed (harness/project/communication.py,
-    tensor_parallel_bytes, says the same): each row-parallel output all-reduced again (with sequence
-    parallelism reduce-scattered, and each norm's fp32 output all-gathered again), but a block's last output
-    where it only feeds the residual add, which non-reentrant checkpointing stops before (counted on gloo)."""
-    layers = run.workload.depth(run.size) or 0
-    skipped = layers if sharded >= 2 * layers and not run.size.config.get("dropout") else 0
-    again = sharded - skipped
-    if run.sequence_parallel:
-        return unit * (4 * sharded + output_bytes(run) * again)
-    return 2 * unit * output_bytes(run) * again
-
-
-def _shard_sequence(model: torch.nn.Module, workload, mesh) -> None:
-    """Sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198) on a pre-norm model: the residual
-    stream is cut along the sequence where it starts, each norm runs on its rank's part (PyTorch's
-    SequenceParallel) and all-gathers its output for the tensor-parallel region it feeds.
-
-    A block's norm hands the gathered output on as a DTensor, as torchtitan's plans do: the column-parallel
-    layers' input gradient (partial sums on each rank) then goes back through the gather as a
-    reduce-scatter, where a plain tensor in between would make it a full all-reduce (counted on gloo: 1.38x
-    the bytes). The final norm feeds the head (vocabulary-parallel, its input replicated) a plain tensor."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel, parallelize_module
-
-    entry = workload.traits.residual_entry
-    parallelize_module(model, mesh, {entry: PrepareModuleOutput(
-        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True)})
-    inside = {id(module) for block in workload.blocks(model) for module in block.modules()}
-    norms = [(name, id(module) in inside) for name, module in model.named_modules()
-             if isinstance(module, torch.nn.LayerNorm | torch.nn.RMSNorm)]
-    for name, in_block in norms:
-        parallelize_module(model, mesh, {name: SequenceParallel()})
-        parallelize_module(model, mesh, {name: PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=not in_block)})
-        for parameter in model.get_submodule(name).parameters():
-            parameter.register_post_accumulate_grad_hook(place_gradient_as_parameter)
-
-
-def norm_gradient_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the gradients of `model`'s norms (what sequence parallelism all-reduces after each backward)."""
-    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-               for module in model.modules() if isinstance(module, torch.nn.LayerNorm | torch.nn.RMSNorm)
-               for p in module.parameters() if p.requires_grad)
-
-
-def _sequence_parallel(run: Run) -> None:
-    distributed()
-    run.sequence_parallel = True  # tensor-parallel, applied next, builds its plans for it
-
-
 def rank_count(technique: str, option: str, meaning: str, options: dict[str, str]) -> int:
     """A parallel technique's one option, a number of ranks (`tensor-parallel:t=8`), checked."""
     unknown = set(options) - {option}
@@ -392,7 +200,7 @@ def rank_count(technique: str, option: str, meaning: str, options: dict[str, str
     return ranks
 
 
-def _grouped(factory):
+def grouped_optimizer(factory):
     """The stack's optimizer over two parameter groups, the sharded (DTensor) and the replicated parameters:
     a multi-tensor (foreach) step cannot take both kinds in one list."""
     from torch.distributed.tensor import DTensor
@@ -408,21 +216,13 @@ def _grouped(factory):
     return make
 
 
-def _check_tp(profile, workload, mode):
-    roles = workload.traits
-    if roles.attention is None or roles.mlp is None or roles.convolutional:
-        return (f"tensor-parallel shards attention heads and MLP neurons a workload declares "
-                f"(Traits.attention / mlp); {workload.name} declares none")
-    return _check_train(profile, workload, mode)
-
-
 def _check_offload(profile, workload, mode):
     if profile.vendor == "cpu":
         return "cpu-offload moves parameters and optimizer state from GPU to host memory; on a CPU there is none"
-    return _check_train(profile, workload, mode)
+    return check_train(profile, workload, mode)
 
 
-def _check_train(profile, workload, mode):
+def check_train(profile, workload, mode):
     if mode != "train":
         return "data parallelism and sharding are set up for training steps here (inference runs one replica)"
     return None
@@ -431,18 +231,18 @@ def _check_train(profile, workload, mode):
 def _check_sharded(profile, workload, mode):
     if not workload.block_lists:
         return f"{workload.name} exposes no repeated blocks to shard one by one"
-    return _check_train(profile, workload, mode)
+    return check_train(profile, workload, mode)
 
 
 DATA_PARALLEL = Technique(
     id="data-parallel", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T13", exclusive="data-parallel",
     summary="DDP: a replica per rank, each on its slice of the global batch, gradients all-reduced",
-    check=_check_train, apply=_apply_ddp)
+    check=check_train, apply=_apply_ddp)
 
 ZERO1 = Technique(
     id="zero1", phase=Phase.DATA_PARALLEL, changes_numerics=False, guide="T13", exclusive="data-parallel",
     summary="DDP with the optimizer state sharded over ranks (ZeroRedundancyOptimizer, ZeRO stage 1)",
-    check=_check_train, apply=_apply_zero1)
+    check=check_train, apply=_apply_zero1)
 
 def _sharding(id_: str, summary: str, check, reshard_after_forward: bool, offload: bool,
               mp: str | None = None) -> Technique:
@@ -467,18 +267,6 @@ CPU_OFFLOAD = _sharding("cpu-offload", "FSDP2 with its offload policy: parameter
                         "optimizer step in host memory", _check_offload, reshard_after_forward=True, offload=True)
 
 
-def _tensor_parallel(ranks: int | None = None) -> Technique:
-    """tensor-parallel over every rank, or (`tensor-parallel:t=8`) over groups of `ranks`."""
-    base = Technique(
-        id="tensor-parallel" + (f":t={ranks}" if ranks else ""), phase=Phase.PARALLEL, changes_numerics=False,
-        guide="T13", exclusive="tensor-parallel",
-        summary="Megatron-style: QKV and first MLP layers column-parallel, output projections row-parallel, token "
-                "embedding and head vocabulary-parallel (DTensor)",
-        check=_check_tp, apply=lambda run: _apply_tp(run, ranks))
-    return replace(base, configure=lambda given: _tensor_parallel(
-        rank_count("tensor-parallel", "t", "ranks per group", given)))
-
-
 def option_value(technique: Technique | None, option: str) -> str | None:
     """The value a configured technique's id gives `option` (`fsdp:mp=bf16`, "mp" -> "bf16"), None if not given."""
     for item in technique.id.split(":")[1:] if technique else ():
@@ -494,20 +282,4 @@ def degree(technique: Technique, option: str) -> int | None:
     return int(value) if value is not None else None
 
 
-TENSOR_PARALLEL = _tensor_parallel()
-
-
-def _check_sp(profile, workload, mode):
-    if workload.traits.residual_entry is None:
-        return (f"sequence-parallel shards a pre-norm model's residual stream between its tensor-parallel regions; "
-                f"{workload.name} declares none (Traits.residual_entry)")
-    return _check_tp(profile, workload, mode)
-
-
-SEQUENCE_PARALLEL = Technique(
-    id="sequence-parallel", phase=Phase.PARALLEL, changes_numerics=False, guide="T14", order=-1,
-    requires="tensor-parallel",
-    summary="norms, dropout and the residual stream split along the sequence between tensor-parallel regions",
-    check=_check_sp, apply=_sequence_parallel)
-
-TECHNIQUES = (DATA_PARALLEL, ZERO1, FSDP, FSDP_ZERO2, CPU_OFFLOAD, TENSOR_PARALLEL, SEQUENCE_PARALLEL)
+TECHNIQUES = (DATA_PARALLEL, ZERO1, FSDP, FSDP_ZERO2, CPU_OFFLOAD)

@@ -147,7 +147,8 @@ def _tensor_parallel(model: torch.nn.Module) -> bool:
 
 
 def _apply(run: Run, options: PipelineOptions) -> None:
-    from suites.techniques.parallel import distributed, norm_gradient_bytes, rank_device
+    from suites.techniques.parallel import distributed, rank_device
+    from suites.techniques.tensor_parallel import norm_gradient_bytes
 
     dist = distributed()
     world, pipelining = dist.get_world_size(), run.workload.pipelining
