@@ -4,6 +4,7 @@ constants per vendor, the tf32 technique, and the fit recovering constants it ge
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from harness.cell import Cell
 from harness.profiles import load_profiles
-from harness.project import project, traced
+from harness.project import project, project_outcome, traced
 from harness.project.depth import traced_to_depth
 from harness.project.op_costs import foreach_kernels
 from harness.project.roofline import ISSUERS, OpArrays, estimate, op_arrays, step_time
@@ -169,6 +170,31 @@ def test_issuers_tell_autograd_forward_engine_backward_recomputation_and_inferen
     assert ("backward", "python") in issuers  # the checkpoint's recomputed forward, issued from Python
     infer = traced(_cell(mode="infer"))
     assert {s.issuer for s in infer.ops} == {"inference"}
+
+
+def test_a_projected_row_says_where_its_step_goes_by_phase_and_by_what_bounds_its_kernels():
+    spec = dataclasses.replace(WORKLOADS["gpt"].sizes["gpt2-124m"], seq_len=256)
+    plain, checkpointed = (project_outcome(_cell(size="gpt2-124m", spec=spec, technique=t, batch=8))
+                           for t in ("amp-bf16", "amp-bf16+checkpointing"))
+    time = project(_cell(size="gpt2-124m", spec=spec, technique="amp-bf16", batch=8)).time
+    phases = dict(time.phase_s)
+    assert list(phases) == ["forward", "backward", "optimizer"]
+    assert sum(phases.values()) == pytest.approx(time.step_s)  # the phases add up to the step
+    assert time.compute_s + time.memory_s + time.launch_s <= time.step_s
+
+    def note(outcome):
+        return next(n for n in outcome.notes if n.startswith("where the step goes: "))
+
+    def ms(outcome, phase):
+        return float(re.search(rf"{phase} ([\d,.]+)", note(outcome)).group(1).replace(",", ""))
+
+    assert ms(plain, "forward") == pytest.approx(phases["forward"] * 1e3, abs=0.05)
+    # Checkpointing recomputes each block's forward inside the backward: that phase, not the forward, grows.
+    assert ms(checkpointed, "backward") > ms(plain, "backward") * 1.15
+    assert ms(checkpointed, "forward") == pytest.approx(ms(plain, "forward"), rel=0.05)
+    # A served decoder's prefill and decode are not training phases: no such note.
+    served = project_outcome(_cell(size="smoke", mode="infer", batch=2))
+    assert not any(n.startswith("where the step goes") for n in served.notes)
 
 
 def test_foreach_ops_launch_a_kernel_per_chunk_of_tensors():

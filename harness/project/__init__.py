@@ -21,7 +21,7 @@ from harness.ledger import interval, shipped_ledger, unfitted_interval
 from harness.outcome import MemoryFigures, Outcome, ServingFigures, SpeedFigures, failure
 from harness.project.depth import traced_to_depth
 from harness.project.memory import MemoryProjection, MiB, project_memory
-from harness.project.roofline import TimeEstimate, estimate
+from harness.project.roofline import TimeEstimate, estimate, where_the_step_goes
 from harness.project.search import (
     MAX_BATCH_LIMIT,
     LargestModel,
@@ -122,6 +122,9 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, step_time_ms_mean=step.step_s * 1e3,
                              throughput_samples_s=cell.batch_size / step.step_s, step_time_ms_low=bar.low,
                              step_time_ms_high=bar.high, step_time_cells=bar.cells)
+        breakdown = where_the_step_goes(step)  # one device's step: a parallel row's sends are costed apart
+        if breakdown:
+            memory.notes.append(breakdown)
     reserved = memory.chosen_reserved
     reserved_bar = None
     if reserved:

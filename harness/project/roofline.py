@@ -51,6 +51,7 @@ class TimeEstimate:
     issue_s: float    # the host's issue time (overlaps the three above)
     notes: tuple[str, ...] = ()
     fitted: bool = True  # whether the GPU's constants were fitted on measurements of its vendor
+    phase_s: tuple[tuple[str, float], ...] = ()  # (phase, seconds) adding up to step_s; empty where not split
 
     @property
     def overhead_s(self) -> float:
@@ -202,7 +203,8 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     if ops.host is not None:
         if not ops.host_link_bytes_s:
             return None
-        step += offload_s(ops.host, ops.host_link_bytes_s, phase_s.get("backward", 0.0), notes)
+        phase_s["host offload"] = offload_s(ops.host, ops.host_link_bytes_s, phase_s.get("backward", 0.0), notes)
+        step += phase_s["host offload"]
     compute_bound = compute >= memory
     if not gpu.fitted:
         notes.append(f"speed constants for {constants.key} not fitted on any measurement (priors)")
@@ -210,7 +212,25 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
         step_s=float(step), compute_s=float((compute * ops.count)[compute_bound].sum()),
         memory_s=float((memory * ops.count)[~compute_bound].sum() + (transposes * ops.count).sum()),
         launch_s=float((launch * ops.count).sum()),
-        issue_s=float(issue_per_op.sum()), notes=tuple(notes), fitted=gpu.fitted)
+        issue_s=float(issue_per_op.sum()), notes=tuple(notes), fitted=gpu.fitted,
+        phase_s=tuple((name, float(seconds)) for name, seconds in phase_s.items()))
+
+
+def where_the_step_goes(time: TimeEstimate) -> str | None:
+    """A note splitting a projected step by phase and by what bounds its kernels: which part a technique
+    moves (checkpointing lengthens the backward; adapters add memory-bound elementwise kernels; a compiled
+    step drops launches and host issue). None where the estimate was not split by phase."""
+    if not time.phase_s:
+        return None
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:,.1f}" if seconds < 0.1 else f"{seconds * 1e3:,.0f}"
+
+    phases = ", ".join(f"{name} {ms(seconds)}" for name, seconds in time.phase_s)
+    return (f"where the step goes: {phases} ms; kernels bound by compute {ms(time.compute_s)} ms, by memory "
+            f"{ms(time.memory_s)} ms, launches {ms(time.launch_s)} ms; the host issues ops for {ms(time.issue_s)} ms, "
+            f"overlapping the kernels" + (f" (the GPU waits {ms(time.overhead_s)} ms on it)"
+                                          if time.overhead_s >= 0.01 * time.step_s else ""))
 
 
 def layout_transposes_s(ops: OpArrays, bandwidth: float, kernel_s: float) -> np.ndarray:
