@@ -197,6 +197,28 @@ def test_a_projected_row_says_where_its_step_goes_by_phase_and_by_what_bounds_it
     assert not any(n.startswith("where the step goes") for n in served.notes)
 
 
+def test_an_op_that_takes_only_a_tensors_shape_reads_none_of_its_data():
+    from harness.project.op_costs import _OpCostMode
+
+    weight = torch.empty(64, 1024, 1024, device="meta")  # 256 MiB it must not be charged for
+    with _OpCostMode() as costs:
+        weight.new_empty(0), torch.empty_like(weight)
+        weight.new_zeros(8), torch.zeros_like(weight[0])
+    # Allocations launch nothing; a fill writes its output only: 8 floats, then one 4 MiB matrix.
+    assert sorted(shape.bytes for shape in costs.ops) == [32.0, 4 * 2**20]
+
+
+def test_a_decoded_tokens_time_is_near_what_reading_its_experts_weights_takes():
+    # Mixtral at one sequence: a decode step reads the 2 of 8 experts each layer picks, not all 8 (a
+    # `weight.new_empty` beside each expert matmul was once charged with every expert's bytes: 2.3x slower).
+    cell = Cell("gpt", "mixtral-8x7b", "infer", "bf16-weights", "h200", 1, "projected", prompt_len=1024, gen_len=16)
+    trace = project(cell.resolve(PROFILES)).trace
+    decode = sum(s.bytes * n for s, n in trace.ops.items() if s.phase == "decode_first")
+    experts = sum(s.bytes * n for s, n in trace.ops.items() if s.phase == "decode_first" and s.op_class == "matmul")
+    assert decode < 1.25 * experts  # the rest: attention's KV cache, norms, routing
+    assert decode < 0.4 * trace.params_bytes
+
+
 def test_foreach_ops_launch_a_kernel_per_chunk_of_tensors():
     assert foreach_kernels(([torch.empty(1)] * 10, [torch.empty(1)] * 10)) == 1
     assert foreach_kernels(([torch.empty(1)] * 130,)) == 3

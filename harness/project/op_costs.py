@@ -71,6 +71,12 @@ def op_class(name: str) -> str:
 
 
 _NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+# Ops that take only another tensor's shape, dtype and device from it, never its data: an allocation reads
+# and launches nothing; a fill writes its output only. (Costed as reading their input, a MoE layer's
+# `weight.new_empty(0)` read every expert's weights at each decoded token.)
+_ALLOCATION = {getattr(torch.ops.aten, name).default for name in ("new_empty", "new_empty_strided", "empty_like")}
+_FILL = {getattr(torch.ops.aten, name).default
+         for name in ("new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like")}
 # Composite ops that run as one kernel on a GPU (fused_norms.py lends it to GPU targets' traces): costed
 # whole there, not decomposed into the CPU's pieces; a CPU target runs the pieces.
 _ONE_KERNEL = {getattr(torch.ops.aten, name) for name in ("_fused_rms_norm", "_fused_rms_norm_backward")
@@ -178,8 +184,8 @@ class _OpCostMode(TorchDispatchMode):
             if decomposed is not NotImplemented:
                 return decomposed
         out = func(*args, **kwargs)
-        if func.is_view or func in _NO_KERNEL:
-            return out  # views and metadata ops alias their input: no kernel, no bytes moved
+        if func.is_view or func in _NO_KERNEL or func in _ALLOCATION:
+            return out  # views and metadata ops alias their input, allocations only reserve: no kernel, no bytes
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         name = str(packet)
         # One kernel per chunk of tensors (foreach ops, the fused optimizers); a fused norm is one kernel.
@@ -187,10 +193,10 @@ class _OpCostMode(TorchDispatchMode):
         if func.namespace == "prim" or (not outputs and not multi_tensor):
             return out  # metadata queries (device, sizes): no kernel; in-place foreach ops return None
         flops = 0.0
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = [] if func in _FILL else [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         # A wrapper subclass (torchao's fp8 training tensors, NF4 weights) is costed as the data it holds: its
         # matmul runs in its inner dtype (fp8 via _scaled_mm, below this mode) and reads its inner bytes.
-        dtype = next((str(leaf.dtype).removeprefix("torch.") for t in inputs for leaf in leaves(t)
+        dtype = next((str(leaf.dtype).removeprefix("torch.") for t in inputs or outputs for leaf in leaves(t)
                       if leaf.is_floating_point()), "other")
         if packet is torch.ops.aten._int_mm:
             # int8 x int8 -> int32 GEMM (ptq-int8): FlopCounterMode has no formula for it, and its
