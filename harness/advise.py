@@ -73,7 +73,7 @@ def fix_line(stack: str, target: dict, fix: dict, reference: float | None = None
     `source` (measured or projected) is named wherever the fix carries one."""
     parts = [stack + (f" ({fix['source']})" if fix.get("source") else "") + ":"]
     if target.get("reserved") is not None and fix.get("reserved") is not None:
-        parts.append(gib(fix["reserved"] - target["reserved"], signed=True) + ",")
+        parts.append(gib(fix["reserved"] - target["reserved"], signed=True) + " reserved,")
     if target.get("step_ms") and fix.get("step_ms"):
         parts.append(f"{fix['step_ms'] / target['step_ms'] - 1:+.0%} step time,")
     elif fix.get("step_ms") and reference:
@@ -83,24 +83,35 @@ def fix_line(stack: str, target: dict, fix: dict, reference: float | None = None
         parts.append(f"{fix['step_ms']:,.0f} ms per step ({versus}),")
     elif fix.get("step_ms"):
         parts.append(f"{fix['step_ms']:,.0f} ms per step,")
-    parts.append(f"fits with {gib(fix['left'])} left")
+    parts.append(f"fits with {gib(fix['left'])} left" + uncertain_fit(fix.get("worst")))
     notes = [note for name, note in CHANGES_TRAINING.items() if name in stack.split("+")]
     return " ".join(parts) + (f" ({'; '.join(notes)})" if notes else "")
 
 
+def uncertain_fit(worst: float | None) -> str:
+    """What to add to "fits" when the high end of the projection's reserved-memory interval does not fit."""
+    return "" if worst is None or worst >= 0 else \
+        f", but may not: short by {gib(-worst)} at its error bar's high end"
+
+
 def rank_fixes(target: dict, fixes: list[dict]) -> list[str]:
-    """The fixes that fit, fastest first (memory left breaks ties), as advice lines. Each dict: stack,
-    reserved, step_ms, left."""
+    """The fixes that fit, fastest first (memory left breaks ties), as advice lines; those whose reserved-memory
+    interval reaches past the card (`worst` < 0) after every one that fits at its high end too. Each dict:
+    stack, reserved, step_ms, left, optionally worst (bytes left at the interval's high end)."""
     fitting = [fix for fix in fixes if fix.get("left") is not None and fix["left"] >= 0]
-    fitting.sort(key=lambda f: (f["step_ms"] if f.get("step_ms") else float("inf"), -f["left"]))
-    reference = fitting[0].get("step_ms") if fitting else None
+    fitting.sort(key=lambda f: ((f.get("worst") or 0) < 0, f["step_ms"] if f.get("step_ms") else float("inf"),
+                                -f["left"]))
+    steps = [fix["step_ms"] for fix in fitting if fix.get("step_ms")]
+    reference = min(steps) if steps else None
     return [fix_line(fix["stack"], target, fix, reference) for fix in fitting]
 
 
 def _summary(record, capacity) -> dict:
+    row = dataclasses.asdict(record)
     return {"stack": record.technique, "reserved": record.peak_reserved_bytes, "step_ms": record.step_time_ms_p50,
             "left": memory_left(record.peak_reserved_bytes, record.device_overhead_bytes, capacity,
                                 record.peak_allocated_bytes, record.fits),
+            "worst": row_memory_left_worst(row, capacity),
             "status": record.status, "reason": record.reason, "batch": record.batch_size,
             "usd": record.usd_per_million_samples}
 
@@ -146,18 +157,31 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
         stacks = [s for s in candidate_stacks(request.mode, profile) if s != request.technique]
         fixes = [_summary(project(technique=stack), capacity) for stack in stacks]
         lines = rank_fixes(target, [f for f in fixes if f["status"] == "ok"])
-        unsupported = sum(f["status"] == "unsupported" for f in fixes)
-        skipped = f" ({unsupported} unsupported on {profile.id})" if unsupported else ""
+        unsupported = [f for f in fixes if f["status"] == "unsupported"]
+        skipped = (f" ({len(unsupported)} unsupported on {profile.id}: "
+                   + "; ".join(f"{f['stack']}: {f['reason']}" for f in unsupported) + ")") if unsupported else ""
         short = gib(-target["left"]) if target["left"] is not None else "unknown"
         headline = (f"projected: {request.technique} does not fit on {profile.id}: short by {short}; "
                     + (f"{len(lines)} of {len(stacks)} stacks tried make it fit{skipped}" if lines else
                        f"none of the {len(stacks)} stacks tried makes it fit{skipped}: a larger GPU or several "
                        "(headroom project --min-gpus) is needed"))
-        return Advice(profile.id, target, lines, headline)
+        return Advice(profile.id, target, lines + _decode_mode(request), headline)
     speed = f", {record.step_time_ms_p50:,.0f} ms per step" if record.step_time_ms_p50 else ""
+    if record.step_time_ms_p50 and record.step_time_ms_low and record.step_time_ms_high:
+        speed += f" ({record.step_time_ms_low:,.0f} to {record.step_time_ms_high:,.0f} across its error bar)"
     cost = f", ${record.usd_per_million_samples:,.2f} per million samples" if record.usd_per_million_samples else ""
-    return Advice(profile.id, target, _when_it_fits(request, record, profile, profiles, project, capacity),
-                  f"projected: {request.technique} fits on {profile.id} with {gib(target['left'])} left{speed}{cost}")
+    return Advice(profile.id, target,
+                  _when_it_fits(request, record, profile, profiles, project, capacity) + _decode_mode(request),
+                  f"projected: {request.technique} fits on {profile.id} with {gib(target['left'])} left"
+                  f"{uncertain_fit(target['worst'])}{speed}{cost}")
+
+
+def _decode_mode(request) -> list[str]:
+    """For served cells: which decode the step times are, since servers run a compiled one."""
+    if request.mode != "infer" or "compile" in request.technique.split("+"):
+        return []
+    return ["step times are eager decode (each token's ops issued from Python); servers replay a compiled one as "
+            "CUDA graphs: add +compile to the stack, or see headroom serve-matrix, for that speed"]
 
 
 def candidate_stacks(mode: str, profile) -> list[str]:
@@ -190,15 +214,16 @@ def _when_it_fits(request, record, profile, profiles, project, capacity) -> list
         left = memory_left(result.peak_reserved_bytes, result.device_overhead_bytes,
                            other.per_device().capacity_bytes, result.peak_allocated_bytes, result.fits)
         if result.status == "ok" and left is not None and left >= 0:
-            found.append((result.usd_per_million_samples or float("inf"), other, result, left))
+            worst = row_memory_left_worst(dataclasses.asdict(result), other.per_device().capacity_bytes)
+            found.append((result.usd_per_million_samples or float("inf"), other, result, left, worst))
     # Cheaper by the hour is not cheaper per sample when it is slower: ranked, and said, per sample.
-    for usd, other, result, left in sorted(found, key=lambda item: item[0]):
+    for usd, other, result, left, worst in sorted(found, key=lambda item: item[0]):
         verdict = "" if not record.usd_per_million_samples or usd == float("inf") else \
             (" (cheaper per sample too)" if usd < record.usd_per_million_samples else " (dearer per sample: slower)")
         step = f", {result.step_time_ms_p50:,.0f} ms per step" if result.step_time_ms_p50 else ""
         cost = f", ${usd:,.2f} per million samples" if usd != float("inf") else ""
         lines.append(f"a cheaper GPU holds it: {other.id} (${other.per_device().usd_per_hour:,.2f}/h, "
-                     f"{other.price_date}) with {gib(left)} left{step}{cost}{verdict}")
+                     f"{other.price_date}) with {gib(left)} left{uncertain_fit(worst)}{step}{cost}{verdict}")
     if not lines:
         lines.append(f"no larger batch and no cheaper GPU profile with a price holds {request.technique}")
     return lines

@@ -221,12 +221,21 @@ def _command(module: str, name: str):
 
 
 def cmd_profiles(args) -> int:
+    """One line per profile: what fits (the memory a process can use, as projections count it), how fast
+    (dense bf16 peak, fp16 where there is no bf16; memory bandwidth), and what it costs; a multi-device
+    package per device, as it runs."""
+    print(f"{'id':16} {'family':8} {'name':28} {'usable':>10} {'16-bit dense':>18} {'bandwidth':>10}  price")
     for profile in _profiles(args).values():
-        memory = f"{profile.memory_bytes / 2**30:.0f} GiB" if profile.memory_bytes else "?"
-        bf16 = profile.peak("bf16")
-        peak = f"{bf16 / 1e12:g} TFLOP/s bf16" if bf16 else "bf16 peak unknown"
-        price = f"${profile.usd_per_hour:g}/h ({profile.price_date})" if profile.usd_per_hour else "no price"
-        print(f"{profile.id:16} {profile.family:8} {profile.name:28} {memory:>8}  {peak:22} {price}")
+        device = profile.per_device()
+        usable = f"{device.capacity_bytes / 2**30:,.1f} GiB" if device.capacity_bytes else "?"
+        half = next(((name, device.peak(name)) for name in ("bf16", "fp16") if device.peak(name)), None)
+        peak = f"{half[1] / 1e12:,.0f} TFLOP/s" + (" (fp16)" if half[0] == "fp16" else "") if half else "unknown"
+        bandwidth = f"{device.memory_bandwidth_bytes_s / 1e12:,.2f} TB/s" if device.memory_bandwidth_bytes_s else "?"
+        price = f"${device.usd_per_hour:,.2f}/h ({profile.price_date})" if device.usd_per_hour else "no price"
+        per = (f"  [each of its {profile.devices_per_package} devices; the package: "
+               f"{profile.memory_bytes / 2**30:,.0f} GiB]" if profile.devices_per_package > 1 else "")
+        print(f"{profile.id:16} {profile.family:8} {profile.name:28} {usable:>10} {peak:>18} {bandwidth:>10}  "
+              f"{price}{per}")
     return 0
 
 

@@ -37,9 +37,12 @@ def _contexts(values: list[str] | None) -> tuple[int, ...] | None:
 
 def cmd_serve_matrix(args) -> int:
     from harness.profiles import resolve_gpus
-    from harness.serve_matrix import C1_GPU, DEFAULT_GEN_LEN, MatrixRequest, judge_c1, serve_matrix
+    from harness.serve_matrix import C1_GPU, DEFAULT_GEN_LEN, MatrixRequest, context_label, judge_c1, serve_matrix
 
     if args.out:
+        if args.out.suffix not in (".csv", ".parquet"):
+            raise UsageError(f"--out {printable(str(args.out))}: the matrix is written as .csv or .parquet; name "
+                             "the file so")
         guard_output(args.out, own="serve_matrix.csv")
     profiles = _profiles(args)
     gpus = resolve_gpus(args.gpu, profiles) if args.gpu else [p for p in profiles.values() if p.vendor != "cpu"]
@@ -55,14 +58,18 @@ def cmd_serve_matrix(args) -> int:
               f"{row['gpu']}", file=sys.stderr)
 
     matrix = serve_matrix(request, profiles, progress)
-    print(_table(matrix).to_string(index=False))
+    print(_table(matrix, context_label(request.contexts[0])).to_string(index=False))
+    for line in _notes(matrix):
+        print(line)
     c1_gpu = profiles.get(C1_GPU)
     verdict = judge_c1(matrix, c1_gpu.capacity_bytes if c1_gpu else None)
     if verdict:
         print(f"\nC1 (one A100 80 GB holds only about a 13B FP16 model): {verdict}")
     print(f"\nall figures projected ({'eager' if request.eager else 'compiled, CUDA-graph'} decode, "
-          f"{request.gen_len} generated tokens per sequence); prices: the profiles' own, with their dates",
-          file=sys.stderr)
+          f"{request.gen_len} generated tokens per sequence); speed and cost at the first context, "
+          f"{request.contexts[0]:,} tokens: TTFT is the prompts' prefill (all of the batch's, in one step), "
+          "USD/M-gen-tok the whole generation's time (prefill included) per million generated tokens (prompt "
+          f"tokens not counted); prices: {_prices(matrix, profiles)}", file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         if args.out.suffix == ".parquet":
@@ -73,24 +80,53 @@ def cmd_serve_matrix(args) -> int:
     return 0
 
 
-def _table(matrix):
-    """The matrix for people: the answer's columns first, bytes in GiB, rates rounded."""
+def _table(matrix, first_context: str):
+    """The matrix for people: the answer's columns first, bytes in GiB, rates rounded; one-token headers
+    (a header of several words reads as several columns), the speed columns naming the context they are at.
+    Notes go under the table (`_notes`), not in a column as wide as the longest."""
     batches = [c for c in matrix.columns if c.startswith("max_batch_")]
+    at = f"@{first_context}"
     columns = {"size": "size", "gpu": "GPU", "weights": "weights",
-               **{c: "max batch " + c.removeprefix("max_batch_") for c in batches},
-               "decode_tokens_s_b1": "tok/s b1", "decode_tokens_s_max": "tok/s max",
-               "decode_bandwidth_util_b1": "BW util b1", "usd_per_million_tokens_max": "USD/M tok max",
-               "usd_per_hour": "USD/h", "params_bytes": "weights GiB", "notes": "notes"}
+               **{c: "max-batch@" + c.removeprefix("max_batch_") for c in batches},
+               "decode_tokens_s_b1": f"tok/s-b1{at}", "decode_tokens_s_max": f"tok/s-max{at}",
+               "ttft_ms_b1": f"TTFT-ms-b1{at}", "ttft_ms_max": f"TTFT-ms-max{at}",
+               "decode_bandwidth_util_b1": f"BW-util-b1{at}", "usd_per_million_tokens_max": f"USD/M-gen-tok{at}",
+               "usd_per_hour": "USD/h", "params_bytes": "weights-GiB"}
     table = matrix[[c for c in columns if c in matrix]].rename(columns=columns).copy()
+    if "notes" in matrix:
+        numbered = iter(range(1, len(matrix) + 1))
+        table["note"] = [f"[{next(numbered)}]" if note else "" for note in matrix["notes"].fillna("")]
     for column in table.columns:
-        if column == "weights GiB":
+        if column == "weights-GiB":
             table[column] = [f"{v / 2**30:,.1f}" if v == v and v is not None else "-" for v in table[column]]
-        elif column.startswith("max batch"):
+        elif column.startswith("max-batch"):
             table[column] = [str(int(v)) if v == v and v is not None else "-" for v in table[column]]
-        elif column not in ("size", "GPU", "weights", "notes"):
+        elif column not in ("size", "GPU", "weights", "note"):
             table[column] = [(f"{v:.0%}" if "util" in column else f"{v:,.2f}" if "USD" in column else f"{v:,.0f}")
                              if v == v and v is not None else "-" for v in table[column]]
     return table
+
+
+def _notes(matrix) -> list[str]:
+    """The rows' notes, numbered as the table's `note` column numbers them."""
+    rows = matrix[matrix["notes"].fillna("") != ""] if "notes" in matrix else matrix.iloc[0:0]
+    return [f"note [{index}] {row['size']} {row['weights']} on {row['gpu']}: {row['notes']}"
+            for index, (_, row) in enumerate(rows.iterrows(), 1)]
+
+
+def _prices(matrix, profiles) -> str:
+    """Each GPU's price as the matrix costs it, with its date and age (a warning past a year), or none known."""
+    from datetime import date
+
+    from harness.prices import age_text, profile_prices
+
+    prices = profile_prices(profiles)
+
+    def priced(gpu: str) -> str:
+        age, _, warning = age_text(prices[gpu], date.today()).partition(": ")
+        return f"{gpu} {prices[gpu].label} ({age} old{': ' + warning if warning else ''})"
+
+    return ", ".join(priced(gpu) if gpu in prices else f"{gpu} none known" for gpu in dict.fromkeys(matrix["gpu"]))
 
 
 def run_matrix(plan, profiles, out, console, full: bool):

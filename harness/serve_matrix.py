@@ -46,6 +46,8 @@ class MatrixRequest:
     eager: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("sizes", "gpus", "weights", "contexts"):  # one row per combination, asked twice or not
+            object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
         unknown = [w for w in self.weights if w not in WEIGHTS]
         if unknown:
             raise ValueError(f"unknown weight precision {unknown[0]!r} (valid: {', '.join(WEIGHTS)})")
@@ -62,7 +64,7 @@ class MatrixRequest:
         return stack if profile.has("bf16") else stack.replace("bf16-weights", "fp16-weights")
 
 
-def _label(context: int) -> str:
+def context_label(context: int) -> str:
     return f"{context // 1024}k" if context % 1024 == 0 else str(context)
 
 
@@ -86,9 +88,10 @@ def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: s
     limit = workload.max_seq_len(workload.size(size))
     row = {"size": size, "gpu": gpu, "weights": weights, "technique": stack, "gen_len": request.gen_len,
            "usd_per_hour": profile.per_device().usd_per_hour, "price_date": profile.price_date, "notes": ""}
-    notes = [] if "bf16-weights" in stack else ["16-bit weights in fp16 (no bf16 on this GPU)"]
+    notes = [] if "bf16-weights" in stack else \
+        [f"{'activations and scales' if weights != 'bf16' else '16-bit weights'} in fp16 (no bf16 on this GPU)"]
     for position, context in enumerate(request.contexts):
-        label = _label(context)
+        label = context_label(context)
         row[f"max_batch_{label}"] = None
         if limit is not None and context > limit:
             notes.append(f"{label}: beyond {size}'s {limit:,}-token context")
@@ -115,9 +118,14 @@ def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: s
                 row["peak_reserved_b1_bytes"] = record.peak_reserved_bytes
                 row["params_bytes"] = record.params_bytes
                 row["kv_cache_b1_bytes"] = record.kv_cache_bytes
-    if row.get("max_batch_" + _label(request.contexts[0])) == 0:
-        notes.append(f"does not fit at batch 1 and {request.contexts[0]:,} tokens without the allocator freeing "
-                     "its cache and retrying every step")
+    if row.get("max_batch_" + context_label(request.contexts[0])) == 0:
+        room = profile.per_device().capacity_bytes
+        if row.get("params_bytes") and room and row["params_bytes"] > room:
+            notes.append(f"does not fit: its weights alone take {row['params_bytes'] / 2**30:,.1f} GiB of the "
+                         f"{room / 2**30:,.1f} GiB the GPU has")
+        else:
+            notes.append(f"does not fit at batch 1 and {request.contexts[0]:,} tokens without the allocator "
+                         "freeing its cache and retrying every step")
     row["notes"] = "; ".join(notes)
     return row
 

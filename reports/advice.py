@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.advise import rank_fixes, row_memory_left
+from harness.advise import rank_fixes, row_memory_left, row_memory_left_worst
 from reports.cells import gpu_cells
 
 CELL = ["workload", "size", "mode", "gpu"]
@@ -17,7 +17,8 @@ def _summary(row, capacity) -> dict:
         else float(pd.to_numeric(row.get(name), errors="coerce"))  # noqa: E731
     return {"stack": str(row["technique"]), "reserved": number("peak_reserved_bytes"),
             "step_ms": number("step_time_ms_p50"), "source": str(row["source"]),
-            "left": row_memory_left(row, capacity)}
+            "left": row_memory_left(row, capacity),
+            "worst": row_memory_left_worst(row, capacity) if str(row.get("source")) == "projected" else None}
 
 
 def oom_advice(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:

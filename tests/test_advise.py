@@ -22,8 +22,20 @@ def test_fixes_that_fit_are_ranked_by_step_time_and_worded():
              {"stack": "checkpointing", "reserved": 20 * GIB, "step_ms": 120.0, "left": 1 * GIB}]
     lines = advise.rank_fixes(target, fixes)
     assert [line.split(":")[0] for line in lines] == ["checkpointing", "amp-bf16+checkpointing", "qlora+checkpointing"]
-    assert lines[1] == "amp-bf16+checkpointing: -41.0 GiB, +28% step time, fits with 6.0 GiB left"
+    assert lines[1] == "amp-bf16+checkpointing: -41.0 GiB reserved, +28% step time, fits with 6.0 GiB left"
     assert lines[2].endswith("(trains adapters on 4-bit frozen weights)")
+
+
+def test_a_fix_whose_error_bar_reaches_past_the_card_is_ranked_after_the_sure_ones_and_says_so():
+    target = {"reserved": 90 * GIB, "step_ms": None}
+    fixes = [{"stack": "amp-bf16+optim-8bit", "reserved": 75 * GIB, "step_ms": 566.0, "left": 2.6 * GIB,
+              "worst": -4.9 * GIB},
+             {"stack": "amp-bf16+checkpointing+optim-8bit", "reserved": 40 * GIB, "step_ms": 700.0, "left": 38 * GIB,
+              "worst": 30 * GIB}]
+    lines = advise.rank_fixes(target, fixes)
+    assert lines[0].startswith("amp-bf16+checkpointing+optim-8bit:") and "(+24% vs the fastest)" in lines[0]
+    assert lines[1].endswith("fits with 2.6 GiB left, but may not: short by 4.9 GiB at its error bar's high end")
+    assert "(the fastest)" in lines[1]
 
 
 def test_without_a_step_time_of_its_own_the_fastest_fix_is_the_reference():
@@ -63,10 +75,20 @@ def test_advise_names_the_stacks_that_make_a_cell_fit(small_l4, monkeypatch, cap
     lines = out.splitlines()
     assert lines[0].startswith("projected: baseline does not fit on small-l4: short by ")
     assert "1 of 2 stacks" in lines[0]
-    assert re.fullmatch(r"  checkpointing\+amp-bf16: -\d+\.\d GiB, [\d,]+ ms per step \(the fastest\), "
+    assert re.fullmatch(r"  checkpointing\+amp-bf16: -\d+\.\d GiB reserved, [\d,]+ ms per step \(the fastest\), "
                         r"fits with \d+\.\d GiB left", lines[1]), lines[1]
     assert len(lines) == 2  # tf32 keeps fp32 activations: still short, not advised
     assert "projecting tf32 on small-l4" in err  # progress goes to stderr
+
+
+def test_advise_names_each_unsupported_stack_with_its_reason_and_says_served_speeds_are_eager(small_l4, monkeypatch,
+                                                                                                capsys):
+    monkeypatch.setattr(advise, "INFER_STACKS", ("bf16-weights", "checkpointing"))
+    assert main(["advise", "--workload", "gpt", "--size", "gpt2-124m", "--mode", "infer", "--gpu", "small-l4",
+                 "--batch-size", "512", "--profiles", str(small_l4)]) == 0
+    out = capsys.readouterr().out
+    assert "(1 unsupported on small-l4: checkpointing: " in out.splitlines()[0]
+    assert out.rstrip().endswith("add +compile to the stack, or see headroom serve-matrix, for that speed")
 
 
 def test_advise_for_a_cell_that_fits_offers_a_larger_batch(small_l4, capsys):

@@ -99,6 +99,15 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, fragment, capsys):
     assert "Traceback" not in err
 
 
+def test_profiles_list_the_memory_a_process_can_use_its_bandwidth_and_a_packages_share(capsys):
+    assert main(["profiles"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["id"].split()[3:] == ["usable", "16-bit", "dense", "bandwidth", "price"]
+    assert "22.5 GiB" in lines["l4"] and "0.30 TB/s" in lines["l4"]  # the driver's 23,034 MiB, not "24 GB"
+    assert "65 TFLOP/s (fp16)" in lines["t4"]  # no bf16 on Turing
+    assert "64.0 GiB" in lines["mi250x"] and "[each of its 2 devices; the package: 128 GiB]" in lines["mi250x"]
+
+
 def test_a_malformed_user_profile_is_one_line_naming_file_and_field(tmp_path, capsys):
     (tmp_path / "mygpu.toml").write_text('id = "mygpu"\nfamily = "mine"\nname = "Mine"\nvendor = "nvidia"\n'
                                          'match = ["Mine"]\nmemory_gib = -4\n[sources]\nmemory_gib = "me"\n'

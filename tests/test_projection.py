@@ -353,7 +353,11 @@ def test_the_largest_batch_says_what_it_leaves_and_whether_the_error_bar_stays_o
     from harness.project.query import _margin_note
 
     gib = 2**30
-    inside = SimpleNamespace(batch_size=14, peak_reserved_bytes=76 * gib, peak_reserved_high_bytes=79 * gib)
-    assert _margin_note(inside, 80 * gib) == "--max-batch: batch 14 leaves 4.0 GiB of the card's 80 GiB"
-    over = SimpleNamespace(batch_size=14, peak_reserved_bytes=76 * gib, peak_reserved_high_bytes=86 * gib)
-    assert "upper end (86.0 GiB reserved) is over it" in _margin_note(over, 80 * gib)
+    inside = SimpleNamespace(batch_size=14, peak_reserved_bytes=75 * gib, peak_reserved_high_bytes=79 * gib,
+                             device_overhead_bytes=gib // 2)
+    # What advise says it leaves: the card less the CUDA context less the reserved peak.
+    assert _margin_note(inside, 80 * gib) == \
+        "--max-batch: batch 14 leaves 4.5 GiB of the card's 80 GiB after the CUDA context"
+    over = SimpleNamespace(batch_size=14, peak_reserved_bytes=75 * gib, peak_reserved_high_bytes=86 * gib,
+                           device_overhead_bytes=gib // 2)
+    assert "upper end (86.0 GiB reserved) it is short by 6.5 GiB" in _margin_note(over, 80 * gib)

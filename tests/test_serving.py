@@ -244,8 +244,8 @@ def test_the_kv_cache_is_counted_in_the_projected_memory():
 
 
 def test_the_serve_matrix_tabulates_batches_speeds_and_costs():
-    request = MatrixRequest(sizes=("gpt2-124m",), gpus=(A100, "t4"), weights=("bf16", "int4"), contexts=(1024,),
-                            gen_len=64)
+    request = MatrixRequest(sizes=("gpt2-124m",), gpus=(A100, "t4", "t4"), weights=("bf16", "int4", "bf16"),
+                            contexts=(1024,), gen_len=64)
     matrix = serve_matrix(request, PROFILES)
     assert len(matrix) == 4 and {"max_batch_1k", "decode_tokens_s_b1", "usd_per_million_tokens_max"} <= set(matrix)
     a100 = matrix[(matrix["gpu"] == A100) & (matrix["weights"] == "bf16")].iloc[0]
@@ -253,6 +253,15 @@ def test_the_serve_matrix_tabulates_batches_speeds_and_costs():
     assert a100["usd_per_million_tokens_max"] < a100["usd_per_million_tokens_b1"]
     t4 = matrix[(matrix["gpu"] == "t4") & (matrix["weights"] == "bf16")].iloc[0]
     assert t4["technique"].startswith("fp16-weights") and t4["max_batch_1k"] > 1  # no bf16 on Turing: fp16
+    int4 = matrix[(matrix["gpu"] == "t4") & (matrix["weights"] == "int4")].iloc[0]
+    assert int4["notes"].startswith("activations and scales in fp16")
+
+
+def test_a_model_whose_weights_alone_outgrow_the_gpu_says_so_not_that_the_allocator_is_short():
+    request = MatrixRequest(sizes=("gpt-70b",), gpus=("a10",), weights=("bf16",), contexts=(4096,))
+    row = serve_matrix(request, PROFILES).iloc[0]
+    assert row["max_batch_4k"] == 0
+    assert "does not fit: its weights alone take 131.4 GiB of the 22.5 GiB the GPU has" in row["notes"]
 
 
 def test_c1_is_judged_from_the_matrix_rows():
@@ -330,10 +339,15 @@ def test_serve_matrix_command_prints_keeps_and_reports(tmp_path, capsys):
     out = tmp_path / "matrix.csv"
     assert main(["serve-matrix", "--size", "gpt2-124m", "--gpu", "a100-sxm4-80gb", "--weights", "bf16,int4",
                  "--context", "1024", "--gen-len", "64", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "max batch 1k" in printed and "gpt2-124m" in printed
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "max-batch@1k" in printed and "tok/s-b1@1k" in printed and "TTFT-ms-max@1k" in printed
+    assert "gpt2-124m" in printed
     assert "C1" in printed  # judged from the A100 80 GB's bf16 row
+    assert "a100-sxm4-80gb $" in captured.err and "per million generated tokens" in captured.err
     assert len(pd.read_csv(out)) == 2
+    assert main(["serve-matrix", "--size", "gpt2-124m", "--out", str(tmp_path / "matrix.xlsx")]) == 2
+    assert "written as .csv or .parquet" in capsys.readouterr().err
     target = tmp_path / "report.html"
     results = tmp_path / "results"
     assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--mode", "infer", "--technique", "bf16-weights",

@@ -212,15 +212,22 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
 
 
 def _margin_note(record: Record, capacity: int | None) -> str:
-    """What the largest batch leaves to spare, and whether the projection's error bar stays inside the card."""
-    if not capacity or not record.peak_reserved_bytes:
+    """What the largest batch leaves to spare (after the CUDA context, as `headroom advise` counts it), and
+    whether the projection's error bar stays inside the card."""
+    from harness.advise import row_memory_left, row_memory_left_worst  # advise builds on this module
+
+    row = {key: getattr(record, key, None) for key in ("peak_reserved_bytes", "peak_reserved_high_bytes",
+                                                       "device_overhead_bytes", "peak_allocated_bytes", "fits")}
+    left = row_memory_left(row, capacity) if capacity else None
+    if left is None:
         return ""
-    spare = (capacity - record.peak_reserved_bytes) / 2**30
-    note = f"--max-batch: batch {record.batch_size} leaves {spare:.1f} GiB of the card's {capacity / 2**30:.0f} GiB"
-    high = record.peak_reserved_high_bytes
-    if high and high > capacity:
-        note += (f", but the error bar's upper end ({high / 2**30:.1f} GiB reserved) is over it: a smaller batch "
-                 "is safer until a run on the card confirms this one")
+    note = (f"--max-batch: batch {record.batch_size} leaves {left / 2**30:.1f} GiB of the card's "
+            f"{capacity / 2**30:.0f} GiB" + (" after the CUDA context" if row["device_overhead_bytes"] else ""))
+    worst = row_memory_left_worst(row, capacity)
+    if worst is not None and worst < 0:
+        note += (f", but at the error bar's upper end ({row['peak_reserved_high_bytes'] / 2**30:.1f} GiB reserved) "
+                 f"it is short by {-worst / 2**30:.1f} GiB: a smaller batch is safer until a run on the card "
+                 "confirms this one")
     return note
 
 
