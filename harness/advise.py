@@ -1,5 +1,6 @@
 """OOM advice: when a cell does not fit, the stacks that make it fit, ranked by the step time they
-cost; when it fits, the largest batch and the cheaper GPUs on which it still fits.
+cost; when it fits, the largest batch and the GPUs on which it still fits for less (by the hour or per
+sample, at the same batch).
 
 Memory left is the device's visible memory less the peak the caching allocator reserves and what
 lives outside it (the CUDA context), the same test the projection's `fits` applies. The report ranks
@@ -106,8 +107,14 @@ def rank_fixes(target: dict, fixes: list[dict]) -> list[str]:
     return [fix_line(fix["stack"], target, fix, reference) for fix in fitting]
 
 
+def memory_row(record) -> dict:
+    """The memory fields of a projected record that `row_memory_left_worst` reads."""
+    return {key: getattr(record, key, None) for key in ("peak_reserved_bytes", "peak_reserved_high_bytes",
+                                                       "device_overhead_bytes", "peak_allocated_bytes", "fits")}
+
+
 def _summary(record, capacity) -> dict:
-    row = dataclasses.asdict(record)
+    row = memory_row(record)
     return {"stack": record.technique, "reserved": record.peak_reserved_bytes, "step_ms": record.step_time_ms_p50,
             "left": memory_left(record.peak_reserved_bytes, record.device_overhead_bytes, capacity,
                                 record.peak_allocated_bytes, record.fits),
@@ -161,10 +168,18 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
         skipped = (f" ({len(unsupported)} unsupported on {profile.id}: "
                    + "; ".join(f"{f['stack']}: {f['reason']}" for f in unsupported) + ")") if unsupported else ""
         short = gib(-target["left"]) if target["left"] is not None else "unknown"
+        smaller = None
+        if not lines and not request.max_batch:  # none fits at this batch: does a smaller one?
+            largest = project(max_batch=True, batch_size=None)
+            if largest.status == "ok" and largest.batch_size and largest.batch_size < record.batch_size:
+                smaller = largest.batch_size
+                lines = [f"a smaller batch fits: at most {smaller} with {request.technique} (asked "
+                         f"{record.batch_size}), {largest.throughput_samples_s or 0:,.1f} samples/s"]
         headline = (f"projected: {request.technique} does not fit on {profile.id}: short by {short}; "
-                    + (f"{len(lines)} of {len(stacks)} stacks tried make it fit{skipped}" if lines else
-                       f"none of the {len(stacks)} stacks tried makes it fit{skipped}: a larger GPU or several "
-                       "(headroom project --min-gpus) is needed"))
+                    + (f"{len(lines)} of {len(stacks)} stacks tried make it fit{skipped}" if lines and not smaller else
+                       f"none of the {len(stacks)} stacks tried makes it fit{skipped}: "
+                       + ("a smaller batch, " if smaller else "")
+                       + "a larger GPU or several (headroom project --min-gpus) is needed"))
         return Advice(profile.id, target, lines + _decode_mode(request), headline)
     speed = f", {record.step_time_ms_p50:,.0f} ms per step" if record.step_time_ms_p50 else ""
     if record.step_time_ms_p50 and record.step_time_ms_low and record.step_time_ms_high:
@@ -193,36 +208,48 @@ def candidate_stacks(mode: str, profile) -> list[str]:
 
 
 def _when_it_fits(request, record, profile, profiles, project, capacity) -> list[str]:
-    """What a fitting cell could do instead: the largest batch here, and cheaper GPUs that still hold it."""
+    """What a fitting cell could do instead: the largest batch here, and GPUs that still hold it cheaper by
+    the hour or per sample, at the same batch."""
     lines = []
     if not request.max_batch:
         largest = project(max_batch=True, batch_size=None)
         if largest.status == "ok" and largest.batch_size and largest.batch_size > record.batch_size:
+            cost = f", ${largest.usd_per_million_samples:,.2f} per million samples" \
+                if largest.usd_per_million_samples else ""
             lines.append(f"a larger batch fits: up to {largest.batch_size} (now {record.batch_size}), "
-                         f"{largest.throughput_samples_s or 0:,.1f} samples/s")
+                         f"{largest.throughput_samples_s or 0:,.1f} samples/s{cost} (the GPUs below are compared at "
+                         f"batch {record.batch_size})")
     price = profile.per_device().usd_per_hour
     if price is None:
         lines.append(f"no price is known for {profile.id}: which GPU is cheaper cannot be said "
                      "(headroom report --prices prices rows at yours)")
         return lines
     needed = (record.peak_reserved_bytes or 0) + (record.device_overhead_bytes or 0)
-    cheaper = [p for p in profiles.values() if p.id != profile.id and p.vendor != "cpu" and p.usd_per_hour
-               and p.per_device().usd_per_hour < price and (p.per_device().capacity_bytes or 0) >= needed * 0.95]
+    # Every priced GPU that could hold it: a dearer one by the hour can be cheaper per sample when it is faster.
+    others = [p for p in profiles.values() if p.id != profile.id and p.vendor != "cpu" and p.usd_per_hour
+              and (p.per_device().capacity_bytes or 0) >= needed * 0.95]
     found = []
-    for other in cheaper:
+    for other in others:
         result = project(gpu=other.id)
         left = memory_left(result.peak_reserved_bytes, result.device_overhead_bytes,
                            other.per_device().capacity_bytes, result.peak_allocated_bytes, result.fits)
         if result.status == "ok" and left is not None and left >= 0:
-            worst = row_memory_left_worst(dataclasses.asdict(result), other.per_device().capacity_bytes)
+            worst = row_memory_left_worst(memory_row(result), other.per_device().capacity_bytes)
             found.append((result.usd_per_million_samples or float("inf"), other, result, left, worst))
-    # Cheaper by the hour is not cheaper per sample when it is slower: ranked, and said, per sample.
+    # Ranked, and said, per sample: cheaper by the hour is not cheaper per sample when it is slower, and a
+    # dearer GPU by the hour is worth naming only where it is cheaper per sample.
+    mine = record.usd_per_million_samples
     for usd, other, result, left, worst in sorted(found, key=lambda item: item[0]):
-        verdict = "" if not record.usd_per_million_samples or usd == float("inf") else \
-            (" (cheaper per sample too)" if usd < record.usd_per_million_samples else " (dearer per sample: slower)")
+        hourly = other.per_device().usd_per_hour
+        per_sample = mine and usd != float("inf") and usd < mine
+        if hourly >= price and not per_sample:
+            continue
+        verdict = "" if not mine or usd == float("inf") else \
+            (" (cheaper per sample too)" if per_sample and hourly < price else
+             " (dearer by the hour, cheaper per sample: faster)" if per_sample else " (dearer per sample: slower)")
         step = f", {result.step_time_ms_p50:,.0f} ms per step" if result.step_time_ms_p50 else ""
         cost = f", ${usd:,.2f} per million samples" if usd != float("inf") else ""
-        lines.append(f"a cheaper GPU holds it: {other.id} (${other.per_device().usd_per_hour:,.2f}/h, "
+        lines.append(f"{'a cheaper' if hourly < price else 'another'} GPU holds it: {other.id} (${hourly:,.2f}/h, "
                      f"{other.price_date}) with {gib(left)} left{uncertain_fit(worst)}{step}{cost}{verdict}")
     if not lines:
         lines.append(f"no larger batch and no cheaper GPU profile with a price holds {request.technique}")

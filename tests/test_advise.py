@@ -91,11 +91,46 @@ def test_advise_names_each_unsupported_stack_with_its_reason_and_says_served_spe
     assert out.rstrip().endswith("add +compile to the stack, or see headroom serve-matrix, for that speed")
 
 
+def test_a_batch_no_stack_holds_is_answered_with_the_largest_that_fits(small_l4, monkeypatch, capsys):
+    monkeypatch.setattr(advise, "TRAIN_STACKS", ("amp-bf16",))
+    assert main(["advise", "--workload", "gpt", "--size", "smoke", "--gpu", "small-l4", "--batch-size", "200000",
+                 "--profiles", str(small_l4)]) == 0
+    headline, line = capsys.readouterr().out.splitlines()
+    assert headline.endswith("none of the 1 stacks tried makes it fit: a smaller batch, a larger GPU or several "
+                             "(headroom project --min-gpus) is needed")
+    largest = int(re.search(r"at most (\d+) with baseline \(asked 200000\)", line).group(1))
+    assert 1 < largest < 200000
+
+
 def test_advise_for_a_cell_that_fits_offers_a_larger_batch(small_l4, capsys):
     assert main(["advise", "--workload", "gpt", "--size", "smoke", "--gpu", "small-l4", "--profiles",
                  str(small_l4)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("projected: baseline fits on small-l4 with ") and "a larger batch fits: up to " in out
+
+
+def test_a_gpu_dearer_by_the_hour_is_named_only_where_it_is_cheaper_per_sample():
+    from types import SimpleNamespace
+
+    from harness.profiles import load_profiles
+
+    profiles = load_profiles()
+    # On the H100 ($3.78/h) a million samples cost $1.00; on the B200 ($6.69/h, faster) $0.80; on the A10 ($0.86/h)
+    # and the L4 ($0.80/h), both slower, $1.20 and $1.50. Every other GPU runs out of memory here.
+    costs = {"h100-sxm": 1.0, "b200": 0.8, "l4": 1.5, "a10": 1.2}
+
+    def project(gpu="h100-sxm", **_):
+        return SimpleNamespace(status="ok" if gpu in costs else "oom", peak_reserved_bytes=GIB,
+                               peak_reserved_high_bytes=GIB, device_overhead_bytes=GIB // 2, peak_allocated_bytes=GIB,
+                               fits=gpu in costs, usd_per_million_samples=costs.get(gpu), step_time_ms_p50=10.0,
+                               batch_size=8, throughput_samples_s=800.0)
+
+    request = SimpleNamespace(max_batch=True, technique="amp-bf16")
+    lines = advise._when_it_fits(request, project(), profiles["h100-sxm"], profiles, project, None)
+    named = [line.split(": ")[1].split(" ")[0] for line in lines]
+    assert named == ["b200", "a10", "l4"]  # per sample, cheapest first; no other GPU dearer by the hour
+    assert lines[0].startswith("another GPU holds it: b200") and "(dearer by the hour, cheaper per sample" in lines[0]
+    assert lines[2].endswith("(dearer per sample: slower)")
 
 
 def test_advise_refuses_a_family_of_several_gpus(capsys):

@@ -214,10 +214,9 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
 def _margin_note(record: Record, capacity: int | None) -> str:
     """What the largest batch leaves to spare (after the CUDA context, as `headroom advise` counts it), and
     whether the projection's error bar stays inside the card."""
-    from harness.advise import row_memory_left, row_memory_left_worst  # advise builds on this module
+    from harness.advise import memory_row, row_memory_left, row_memory_left_worst  # advise builds on this module
 
-    row = {key: getattr(record, key, None) for key in ("peak_reserved_bytes", "peak_reserved_high_bytes",
-                                                       "device_overhead_bytes", "peak_allocated_bytes", "fits")}
+    row = memory_row(record)
     left = row_memory_left(row, capacity) if capacity else None
     if left is None:
         return ""
