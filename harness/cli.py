@@ -144,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("results", nargs="+", type=Path, help="results folders, results files or ledger.csv files")
     add.add_argument("--ledger", type=_folder, default=None, metavar="FILE.csv",
                      help="the ledger to merge into (default: the one shipped with headroom, which projections use)")
-    ledger_sub.add_parser("show", help="pairs per kind of cell and their step-time and reserved errors")
+    show = ledger_sub.add_parser("show", help="pairs per kind of cell and their step-time and reserved errors")
+    show.add_argument("--ledger", type=Path, default=None, metavar="FILE.csv",
+                      help="the ledger to show (default: the one shipped with headroom, which projections use)")
 
     calibrate = sub.add_parser("calibrate", help="measure this device's achievable matmul rates, bandwidth and "
                                                  "per-op costs into a profile overlay (--profiles DIR reads it)")

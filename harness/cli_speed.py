@@ -51,10 +51,16 @@ def cmd_ledger(args) -> int:
     from harness.ledger import LEDGER_FILE, merge, pairs_from, read_ledger, write_ledger
 
     if args.ledger_command == "show":
-        return _show_ledger(read_ledger(LEDGER_FILE))
+        shown = args.ledger or LEDGER_FILE
+        if args.ledger and not shown.is_file():
+            raise ValueError(f"--ledger {printable(str(shown))}: no such ledger file (headroom ledger add writes one)")
+        print(f"ledger: {printable(str(shown))}")
+        return _show_ledger(read_ledger(shown))
     target = args.ledger or LEDGER_FILE
     if args.ledger:
         guard_output(target, own="ledger.csv", flag="--ledger")
+        if target.suffix != ".csv":
+            raise ValueError(f"--ledger {printable(str(target))}: a ledger is a .csv file; name it so")
     ledger = read_ledger(target)
     profiles = load_profiles(args.profiles)
     incoming = [pairs_from(path, profiles) for path in args.results]
@@ -63,17 +69,22 @@ def cmd_ledger(args) -> int:
         ledger, count = merge(ledger, pairs)
         added += count
     offered = sum(len(p) for p in incoming)
+    if not offered:
+        print(f"no projected-vs-measured pairs in {', '.join(printable(str(p)) for p in args.results)}: a pair is a "
+              "measured cell and its projected twin on the same GPU profile (headroom run writes both); nothing "
+              f"written to {printable(str(target))}")
+        return 0
     if added:
         write_ledger(ledger, target)
-    print(f"added {added} pairs ({offered - added} already in the ledger or repeated) -> {target} "
-          f"({len(ledger)} pairs)")
+    print(f"added {added} pairs ({offered - added} already in the ledger or repeated) -> {printable(str(target))} "
+          f"({len(ledger)} pairs)" + ("" if added else "; nothing new, the file is unchanged"))
     return 0
 
 
 def _show_ledger(ledger) -> int:
     import pandas as pd
 
-    from harness.ledger import workload_family
+    from harness.ledger import MIN_PAIRS, workload_family
 
     if ledger.empty:
         print("the ledger holds no pairs: every projected interval is the wide default")
@@ -85,7 +96,19 @@ def _show_ledger(ledger) -> int:
                           / pd.to_numeric(ledger["measured_peak_reserved_bytes"]) - 1)
     print(f"{'workload':10} {'precision':11} {'generation':11} {'pairs':>5} {'step err median':>16} "
           f"{'reserved err median':>20}   (projected / measured - 1)")
-    for (family, precision, generation), group in frame.groupby(["family", "precision", "generation"]):
-        print(f"{family:10} {precision:11} {generation:11} {len(group):5} {group['step'].median():+16.1%} "
-              f"{group['reserved'].median():+20.1%}")
+    few = False
+    for (family, precision, generation), group in frame.groupby(["family", "precision", "generation"],
+                                                                dropna=False):
+        few |= len(group) < MIN_PAIRS
+        mark = "*" if len(group) < MIN_PAIRS else " "
+        print(f"{family:10} {str(precision):11} {str(generation):11} {len(group):5}{mark}"
+              f"{_percent(group['step'].median()):>15} {_percent(group['reserved'].median()):>20}")
+    if few:
+        print(f"* fewer than {MIN_PAIRS} pairs: too few to set an interval alone; a row of that kind takes its "
+              "interval from the same workload and precision on every GPU generation, then wider kinds")
     return 0
+
+
+def _percent(value) -> str:
+    """A median error as a signed percentage; "-" where no pair has that figure (a CPU pair has no reserved)."""
+    return "-" if value != value else f"{value:+.1%}"

@@ -388,6 +388,14 @@ def read_results(path: Path) -> pd.DataFrame:
     path = Path(path)
     if path.is_dir():
         found = [path / name for name in ("results.parquet", "results.csv") if (path / name).exists()]
+        newer = _cells_newer_than(path, found[0] if found else None)
+        if newer:
+            # A run cut short (killed, or stopped in its accuracy stage) rebuilt its frame only after its last
+            # measured cell: its cell files are the results. Read them, leaving the folder as it is.
+            print(f"headroom: warning: {path}: {newer} cell files are newer than "
+                  f"{found[0].name if found else 'any results file'} (a run cut short): read from its cells/; "
+                  f"headroom run --resume --out {path} rebuilds the file", file=sys.stderr)
+            return _checked(records_frame(ResultsStore(path).rows()), path / "cells")
         if not found:
             raise ValueError(f"{path}: holds no results.parquet or results.csv (run headroom run --out {path}, "
                              "or give a results file)")
@@ -407,6 +415,20 @@ def read_results(path: Path) -> pd.DataFrame:
         if str(exc).startswith(str(path)):
             raise
         raise ValueError(f"{path}: not a readable results file ({type(exc).__name__})") from None
+    return _checked(frame, path)
+
+
+def _cells_newer_than(folder: Path, frame_file: Path | None) -> int:
+    """How many of a results folder's cell files are newer than its frame (all of them where it has none)."""
+    cells = folder / "cells"
+    if not cells.is_dir():
+        return 0
+    since = frame_file.stat().st_mtime if frame_file is not None else float("-inf")
+    return sum(1 for cell in cells.glob("*.json") if cell.stat().st_mtime > since)
+
+
+def _checked(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """`frame` read from `path`, its schema checked and migrated to this headroom's columns."""
     missing = [c for c in ("schema_version", "workload", "technique", "source", "status") if c not in frame]
     if missing:
         raise ValueError(f"{path}: not a headroom results file (missing columns: {', '.join(missing)})")

@@ -134,6 +134,23 @@ def test_ledger_add_merges_results_into_a_ledger_file_once(tmp_path, capsys):
     assert len(read_ledger(target)) == 17
     assert main(["ledger", "show"]) == 0
     assert "hopper" in capsys.readouterr().out
+    # The ledger just written, named; a kind too thin to set an interval alone is marked.
+    assert main(["ledger", "show", "--ledger", str(target)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith(f"ledger: {target}\n") and "* fewer than 3 pairs" in shown
+
+
+def test_ledger_add_of_results_without_twins_says_so_and_writes_nothing(tmp_path, capsys):
+    from harness.records import read_results
+
+    lone = tmp_path / "results.csv"
+    frame = read_results(H200)
+    frame[frame["source"] == "measured"].to_csv(lone, index=False)
+    target = tmp_path / "l.csv"
+    assert main(["ledger", "add", str(lone), "--ledger", str(target)]) == 0
+    assert "no projected-vs-measured pairs in " in capsys.readouterr().out and not target.exists()
+    assert main(["ledger", "add", str(H200), "--ledger", str(tmp_path / "l.txt")]) == 2
+    assert "a ledger is a .csv file" in capsys.readouterr().err
 
 
 def test_ledger_add_refuses_what_is_not_results_in_one_line(tmp_path, capsys):

@@ -126,6 +126,24 @@ def test_store_write_and_read_back(tmp_path):
     assert "None" not in csv_text and "<NA>" not in csv_text and "nan" not in csv_text.lower()
 
 
+def test_a_folder_whose_cells_are_newer_than_its_frame_is_read_from_its_cells(tmp_path, capsys):
+    # A run cut short after its last measured cell: the projected cells that followed are only cell files.
+    store = ResultsStore(tmp_path)
+    store.prepare()
+    store.add(_record("c1", notes="n"))
+    store.write_frame()
+    frame_time = (tmp_path / "results.parquet").stat().st_mtime
+    store.add(_record("c2", notes="n"))
+    os.utime(store.cells_dir / "c2.json", (frame_time + 5, frame_time + 5))
+    assert sorted(read_results(tmp_path)["cell_id"]) == ["c1", "c2"]
+    warning = capsys.readouterr().err
+    assert "1 cell files are newer than results.parquet (a run cut short)" in warning
+    assert sorted(read_results(tmp_path / "results.parquet")["cell_id"]) == ["c1"]  # a file given is read as it is
+    store.write_frame()  # the run finishes: its frame is newest again, and read without a word
+    os.utime(tmp_path / "results.parquet", (frame_time + 10, frame_time + 10))
+    assert len(read_results(tmp_path)) == 2 and capsys.readouterr().err == ""
+
+
 def test_add_overwrites_same_cell_and_rewrites_frame(tmp_path):
     store = ResultsStore(tmp_path)
     store.prepare()
