@@ -7,6 +7,7 @@ User errors (unknown names, bad files, unwritable folders) print one line and ex
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import os
 import sys
@@ -33,10 +34,30 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but errors are one line (no usage dump) and exit with code 2."""
+    """argparse, but errors are one line (no usage dump) and exit with code 2; an unknown flag is named
+    with the closest one the command takes and that command's help."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = _chosen_parser(self, parsed)
+            options = [flag for action in command._actions for flag in action.option_strings]
+            hints = [f"did you mean {close[0]}?" for extra in extras if extra.startswith("--")
+                     for close in [difflib.get_close_matches(extra.split("=")[0], options, n=1)] if close]
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)}" + (f"; {' '.join(hints)}" if hints else "")
+                             + f" (see `{command.prog} --help`)")
+        return parsed
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, parsed) -> argparse.ArgumentParser:
+    """The (sub)command parser the parsed arguments chose: `headroom ledger add`'s, not `headroom`'s."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+            return _chosen_parser(action.choices[getattr(parsed, action.dest)], parsed)
+    return parser
 
 
 def _add_generation_flags(parser) -> None:

@@ -96,6 +96,8 @@ def cmd_fragmentation(args) -> int:
     from harness.profiles import detect_local
 
     if args.out:
+        if args.out.suffix.lower() != ".csv":
+            raise UsageError(f"--out {printable(str(args.out))}: the probe's rows are written as .csv; name it so")
         guard_output(args.out, own="fragmentation.csv")
     profiles = _profiles(args)
     local = detect_local(profiles)

@@ -14,7 +14,6 @@ def cmd_report(args) -> int:
     from harness.records import read_results
     from reports.build import write_report
 
-    markdown = (args.format or ("md" if args.out.suffix.lower() == ".md" else "html")) == "md"
     if args.compare and len(args.results) != 2:
         raise UsageError(f"--compare takes exactly two results, OLD and NEW (got {len(args.results)})")
     if args.compare and args.serve_matrix:
@@ -26,6 +25,7 @@ def cmd_report(args) -> int:
         inputs = [given / "results.parquet", given / "results.csv", given / "cells"] if path.is_dir() else [given]
         if any(out == item or item in out.parents for item in inputs):
             raise UsageError(f"--out {args.out} would overwrite the results it reads ({path}); choose another file")
+    markdown = _is_markdown(args)
     if args.compare:
         return _compare(args, markdown)
     import pandas as pd
@@ -70,6 +70,19 @@ def cmd_report(args) -> int:
                  profiles=profiles)
     print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
     return 0
+
+
+def _is_markdown(args) -> bool:
+    """Whether to write Markdown: --format, else the --out file's suffix; a suffix that says one kind while
+    --format asks for the other, or that says neither without --format, is refused."""
+    suffix = args.out.suffix.lower()
+    kind = {".html": "html", ".htm": "html", ".md": "md"}.get(suffix)
+    if kind is None and args.format is None:
+        raise UsageError(f"--out {printable(str(args.out))}: name the report .html or .md, or give --format html|md")
+    if kind and args.format and args.format != kind:
+        raise UsageError(f"--format {args.format} writes {'Markdown' if args.format == 'md' else 'HTML'}, but --out "
+                         f"names a {suffix} file: drop --format or change the name")
+    return (args.format or kind) == "md"
 
 
 def _compare(args, markdown: bool) -> int:

@@ -108,6 +108,15 @@ def test_profiles_list_the_memory_a_process_can_use_its_bandwidth_and_a_packages
     assert "64.0 GiB" in lines["mi250x"] and "[each of its 2 devices; the package: 128 GiB]" in lines["mi250x"]
 
 
+def test_a_mistyped_flag_is_named_with_the_closest_one_and_its_commands_help(capsys):
+    assert main(["ledger", "add", "results", "--ledgr", "l.csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --ledgr l.csv; did you mean --ledger?" in err
+    assert "(see `headroom ledger add --help`)" in err
+    assert main(["profiles", "--bogus"]) == 2
+    assert "did you mean" not in capsys.readouterr().err  # nothing close: no guess
+
+
 def test_a_malformed_user_profile_is_one_line_naming_file_and_field(tmp_path, capsys):
     (tmp_path / "mygpu.toml").write_text('id = "mygpu"\nfamily = "mine"\nname = "Mine"\nvendor = "nvidia"\n'
                                          'match = ["Mine"]\nmemory_gib = -4\n[sources]\nmemory_gib = "me"\n'

@@ -161,6 +161,8 @@ def test_the_command_prints_the_rows_and_c4_and_the_report_draws_them(tmp_path, 
     if not torch.cuda.is_available():
         assert main(["fragmentation", "--measure"]) == 2
         assert "--measure runs the guide's scenario on a CUDA device" in capsys.readouterr().err
+    assert main(["fragmentation", "--out", str(tmp_path / "probe.txt")]) == 2  # CSV rows in a .txt: refused
+    assert "written as .csv" in capsys.readouterr().err and not (tmp_path / "probe.txt").exists()
 
 
 def test_a_first_run_keeps_the_probe_beside_its_rows_so_its_report_judges_c4(tmp_path):

@@ -195,6 +195,12 @@ def test_the_command_writes_html_and_markdown_comparisons(two_runs, tmp_path, ca
     assert "| status | ok | timeout |" in text
     assert main(["report", "--compare", str(old), str(new), "--out", str(tmp_path / "c.md")]) == 0  # by suffix
     assert (tmp_path / "c.md").read_text().startswith("## headroom comparison:")
+    # A name that says one kind while --format asks for the other, or neither without --format: refused.
+    assert main(["report", str(old), "--format", "html", "--out", str(tmp_path / "r.md")]) == 2
+    assert "--format html writes HTML, but --out names a .md file" in capsys.readouterr().err
+    assert main(["report", str(old), "--out", str(tmp_path / "r.pdf")]) == 2
+    assert "name the report .html or .md, or give --format html|md" in capsys.readouterr().err
+    assert not (tmp_path / "r.md").exists() and not (tmp_path / "r.pdf").exists()
 
 
 def test_the_command_writes_a_markdown_summary_of_results(two_runs, tmp_path, capsys):

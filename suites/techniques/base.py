@@ -209,7 +209,7 @@ def train_only(name: str) -> Check:
 
     def check(profile: GpuProfile, workload: Workload, mode: str) -> str | None:
         if mode != "train":
-            return f"{name} only affects training (inference keeps no activations for backward)"
+            return f"{name} only affects training (an inference step has no backward pass or optimizer step)"
         return None
 
     return check
