@@ -153,7 +153,7 @@ def _compare_cell(old: dict, new: dict) -> list[dict]:
     projected = old["source"] == "projected"
     for figure, higher in TIMINGS.items():
         before, after = _number(old.get(figure)), _number(new.get(figure))
-        if before is None or after is None or before <= 0:
+        if before is None or after is None or before <= 0 or after <= 0:
             continue
         if projected:
             threshold, basis = PROJECTED_TOLERANCE, "projected: fixed 1%"
@@ -163,8 +163,10 @@ def _compare_cell(old: dict, new: dict) -> list[dict]:
             threshold = max(TIMING_FLOOR, NOISE_SIGMAS * spread)
             basis = "2 x combined CV" + (f" ({MISSING_CV:.0%} assumed where unknown)" if None in cvs else "")
         change = after / before - 1
-        rows.append(_row(new, figure, _judge(change, threshold, higher), before, after, change, threshold, basis,
-                         **statuses))
+        # Judged on the log of the ratio, so that a step time and the throughput it gives agree: a relative
+        # change is lopsided (a 73% shorter step is a 270% higher throughput), its logarithm is not.
+        verdict = _judge(math.log(after / before), math.log1p(threshold), higher)
+        rows.append(_row(new, figure, verdict, before, after, change, threshold, basis, **statuses))
     for figure in MEMORY:
         before, after = _number(old.get(figure)), _number(new.get(figure))
         if before is None or after is None:

@@ -52,6 +52,18 @@ def test_a_3_percent_change_with_a_5_percent_cv_is_within_noise():
     assert _verdict(table, "throughput_samples_s") == "within noise"
 
 
+def test_a_noisy_cells_step_time_and_throughput_get_the_same_verdict():
+    # A run with a 115% CV: its p50 fell 73% (a 3.7x faster step), its throughput rose 987%. Judged on relative
+    # change, the first was "within noise" (|-73%| < 230%) and the second "better"; on the log ratio, both better.
+    old = _frame(_record(step_time_ms_p50=34.5, step_time_cv=1.15, throughput_samples_s=39.0))
+    new = _frame(_record(step_time_ms_p50=9.3, step_time_cv=0.05, throughput_samples_s=424.4))
+    table = compare_results(old, new)
+    assert _verdict(table, "step_time_ms_p50") == _verdict(table, "throughput_samples_s") == "better"
+    slower = _frame(_record(step_time_ms_p50=34.5 * 2, step_time_cv=0.05, throughput_samples_s=19.5))
+    table = compare_results(old, slower)  # twice as slow: inside 2 x 115%, either way round
+    assert _verdict(table, "step_time_ms_p50") == _verdict(table, "throughput_samples_s") == "within noise"
+
+
 def test_a_zero_cv_does_not_flag_rounding_but_a_missing_one_is_assumed_noisy():
     quiet = compare_results(_frame(_record(step_time_ms_p50=10.0, step_time_cv=0.0)),
                             _frame(_record(step_time_ms_p50=10.15, step_time_cv=0.0)))
