@@ -265,11 +265,12 @@ def cmd_profiles(args) -> int:
 def cmd_techniques(args) -> int:
     from suites.techniques import RECIPES, TECHNIQUES
 
-    print(f"{'baseline':24} {'':4} {'':10} no technique")
+    print(f"{'technique':24} {'guide':5} {'phase':13} what it does")
+    print(f"{'baseline':24} {'':5} {'':13} no technique")
     for technique in TECHNIQUES.values():
-        print(f"{technique.id:24} {technique.guide:4} {technique.phase.name.lower():10} {technique.summary}")
+        print(f"{technique.id:24} {technique.guide:5} {technique.phase.name.lower():13} {technique.summary}")
     for recipe in RECIPES.values():
-        print(f"{recipe.name:24} {'C14':4} {'recipe':10} {'+'.join(recipe.techniques)}: {recipe.summary}")
+        print(f"{recipe.name:24} {'C14':5} {'recipe':13} {'+'.join(recipe.techniques)}: {recipe.summary}")
     return 0
 
 
@@ -279,13 +280,14 @@ def cmd_workloads(args) -> int:
     from suites.workloads import PROBES, WORKLOADS
     from suites.workloads.base import count_parameters
 
+    print(f"{'workload':13} {'size':12} {'scale':9} {'parameters':>11}  {'batch':>5}  input")
     for workload in [*WORKLOADS.values(), *PROBES.values()]:
         for spec in workload.sizes.values():
             with torch.device("meta"):
                 params = count_parameters(workload.build(spec))
-            shape = f"seq {spec.seq_len}" if spec.seq_len else f"{spec.image_size}px"
-            print(f"{workload.name:13} {spec.name:12} {spec.scale:9} {params / 1e6:10.1f} M params  "
-                  f"batch {spec.batch_size:<4} {shape}")
+            shape = f"{spec.seq_len} tokens" if spec.seq_len else f"{spec.image_size} px images"
+            count = f"{params / 1e9:,.1f} B" if params >= 1e9 else f"{params / 1e6:,.1f} M"
+            print(f"{workload.name:13} {spec.name:12} {spec.scale:9} {count:>11}  {spec.batch_size:>5}  {shape}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -147,3 +148,6 @@ def test_listings(capsys):
     out = capsys.readouterr().out
     assert "a100-sxm4-80gb" in out and "grad-accumulation" in out and "gpt3-175b" in out
     assert "torch_version" in out and "nvml" in out
+    # Each listing says what its columns are; sizes in the unit that reads.
+    assert "technique                guide phase" in out and "workload      size         scale" in out
+    assert re.search(r"gpt3-175b +large +174\.6 B +1 +2048 tokens", out)
