@@ -166,7 +166,7 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
         lines = rank_fixes(target, [f for f in fixes if f["status"] == "ok"])
         unsupported = [f for f in fixes if f["status"] == "unsupported"]
         skipped = (f" ({len(unsupported)} unsupported on {profile.id}: "
-                   + "; ".join(f"{f['stack']}: {f['reason']}" for f in unsupported) + ")") if unsupported else ""
+                   + "; ".join(f["reason"] for f in unsupported) + ")") if unsupported else ""
         short = gib(-target["left"]) if target["left"] is not None else "unknown"
         smaller = None
         if not lines and not request.max_batch:  # none fits at this batch: does a smaller one?
@@ -180,20 +180,20 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
                        f"none of the {len(stacks)} stacks tried makes it fit{skipped}: "
                        + ("a smaller batch, " if smaller else "")
                        + "a larger GPU or several (headroom project --min-gpus) is needed"))
-        return Advice(profile.id, target, lines + _decode_mode(request), headline)
+        return Advice(profile.id, target, lines + _decode_mode(request, record), headline)
     speed = f", {record.step_time_ms_p50:,.0f} ms per step" if record.step_time_ms_p50 else ""
     if record.step_time_ms_p50 and record.step_time_ms_low and record.step_time_ms_high:
         speed += f" ({record.step_time_ms_low:,.0f} to {record.step_time_ms_high:,.0f} across its error bar)"
     cost = f", ${record.usd_per_million_samples:,.2f} per million samples" if record.usd_per_million_samples else ""
     return Advice(profile.id, target,
-                  _when_it_fits(request, record, profile, profiles, project, capacity) + _decode_mode(request),
+                  _when_it_fits(request, record, profile, profiles, project, capacity) + _decode_mode(request, record),
                   f"projected: {request.technique} fits on {profile.id} with {gib(target['left'])} left"
                   f"{uncertain_fit(target['worst'])}{speed}{cost}")
 
 
-def _decode_mode(request) -> list[str]:
-    """For served cells: which decode the step times are, since servers run a compiled one."""
-    if request.mode != "infer" or "compile" in request.technique.split("+"):
+def _decode_mode(request, record) -> list[str]:
+    """For a served decoder's cells: which decode the step times are, since servers run a compiled one."""
+    if not record.gen_len or "compile" in request.technique.split("+"):
         return []
     return ["step times are eager decode (each token's ops issued from Python); servers replay a compiled one as "
             "CUDA graphs: add +compile to the stack, or see headroom serve-matrix, for that speed"]
@@ -217,8 +217,7 @@ def _when_it_fits(request, record, profile, profiles, project, capacity) -> list
             cost = f", ${largest.usd_per_million_samples:,.2f} per million samples" \
                 if largest.usd_per_million_samples else ""
             lines.append(f"a larger batch fits: up to {largest.batch_size} (now {record.batch_size}), "
-                         f"{largest.throughput_samples_s or 0:,.1f} samples/s{cost} (the GPUs below are compared at "
-                         f"batch {record.batch_size})")
+                         f"{largest.throughput_samples_s or 0:,.1f} samples/s{cost}")
     price = profile.per_device().usd_per_hour
     if price is None:
         lines.append(f"no price is known for {profile.id}: which GPU is cheaper cannot be said "
@@ -250,7 +249,8 @@ def _when_it_fits(request, record, profile, profiles, project, capacity) -> list
         step = f", {result.step_time_ms_p50:,.0f} ms per step" if result.step_time_ms_p50 else ""
         cost = f", ${usd:,.2f} per million samples" if usd != float("inf") else ""
         lines.append(f"{'a cheaper' if hourly < price else 'another'} GPU holds it: {other.id} (${hourly:,.2f}/h, "
-                     f"{other.price_date}) with {gib(left)} left{uncertain_fit(worst)}{step}{cost}{verdict}")
+                     f"{other.price_date}) at batch {record.batch_size} with {gib(left)} left{uncertain_fit(worst)}"
+                     f"{step}{cost}{verdict}")
     if not lines:
         lines.append(f"no larger batch and no cheaper GPU profile with a price holds {request.technique}")
     return lines

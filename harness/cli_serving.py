@@ -40,7 +40,7 @@ def cmd_serve_matrix(args) -> int:
     from harness.serve_matrix import C1_GPU, DEFAULT_GEN_LEN, MatrixRequest, context_label, judge_c1, serve_matrix
 
     if args.out:
-        if args.out.suffix not in (".csv", ".parquet"):
+        if args.out.suffix.lower() not in (".csv", ".parquet"):
             raise UsageError(f"--out {printable(str(args.out))}: the matrix is written as .csv or .parquet; name "
                              "the file so")
         guard_output(args.out, own="serve_matrix.csv")
@@ -72,7 +72,7 @@ def cmd_serve_matrix(args) -> int:
           f"tokens not counted); prices: {_prices(matrix, profiles)}", file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        if args.out.suffix == ".parquet":
+        if args.out.suffix.lower() == ".parquet":
             matrix.to_parquet(args.out, index=False)
         else:
             matrix.to_csv(args.out, index=False)

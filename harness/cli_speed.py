@@ -84,7 +84,7 @@ def cmd_ledger(args) -> int:
 def _show_ledger(ledger) -> int:
     import pandas as pd
 
-    from harness.ledger import MIN_PAIRS, workload_family
+    from harness.ledger import CELL, MIN_PAIRS, usable_pairs, workload_family
 
     if ledger.empty:
         print("the ledger holds no pairs: every projected interval is the wide default")
@@ -96,16 +96,23 @@ def _show_ledger(ledger) -> int:
                           / pd.to_numeric(ledger["measured_peak_reserved_bytes"]) - 1)
     print(f"{'workload':10} {'precision':11} {'generation':11} {'pairs':>5} {'step err median':>16} "
           f"{'reserved err median':>20}   (projected / measured - 1)")
+    # An interval rests on distinct cells with a usable figure (harness/ledger.py interval): count those.
+    kind = ["family", "precision", "generation"]
+    cells = {figure: usable_pairs(frame, "measured_" + column, "projected_" + column).groupby(kind, dropna=False)
+             .apply(lambda group: group.groupby(CELL, dropna=False).ngroups)
+             for figure, column in (("step", "step_ms"), ("reserved", "peak_reserved_bytes"))}
     few = False
-    for (family, precision, generation), group in frame.groupby(["family", "precision", "generation"],
-                                                                dropna=False):
-        few |= len(group) < MIN_PAIRS
-        mark = "*" if len(group) < MIN_PAIRS else " "
-        print(f"{family:10} {str(precision):11} {str(generation):11} {len(group):5}{mark}"
-              f"{_percent(group['step'].median()):>15} {_percent(group['reserved'].median()):>20}")
+    for key, group in frame.groupby(kind, dropna=False):
+        thin = {figure: int(counts.get(key, 0)) < MIN_PAIRS for figure, counts in cells.items()}
+        few |= any(thin.values())
+        family, precision, generation = key
+        print(f"{family:10} {str(precision):11} {str(generation):11} {len(group):5} "
+              f"{_percent(group['step'].median()) + ('*' if thin['step'] else ' '):>16} "
+              f"{_percent(group['reserved'].median()) + ('*' if thin['reserved'] else ' '):>20}")
     if few:
-        print(f"* fewer than {MIN_PAIRS} pairs: too few to set an interval alone; a row of that kind takes its "
-              "interval from the same workload and precision on every GPU generation, then wider kinds")
+        print(f"* fewer than {MIN_PAIRS} usable cells for that figure (noisy steps and other allocators left out): "
+              "too few to set an interval alone; a row of that kind takes its interval from the same workload and "
+              "precision on every GPU generation, then wider kinds")
     return 0
 
 

@@ -171,6 +171,17 @@ def t_975(degrees: int) -> float:
     return T_975[max(known)] if known else T_975[1]
 
 
+def usable_pairs(ledger: pd.DataFrame, measured_column: str, projected_column: str) -> pd.DataFrame:
+    """The pairs an interval on that figure may rest on: both figures present and positive, a step time not
+    flagged noisy, a reserved figure measured under the native allocator (the one projected)."""
+    usable = ledger.dropna(subset=[measured_column, projected_column])
+    if measured_column == "measured_step_ms":
+        usable = usable[~usable["step_time_noisy"].astype(str).isin(["True", "true", "1"])]
+    else:  # a native reserved figure is compared only with twins measured under the native allocator
+        usable = usable[usable["allocator"].isna() | (usable["allocator"] == "native")]
+    return usable[(pd.to_numeric(usable[measured_column]) > 0) & (pd.to_numeric(usable[projected_column]) > 0)]
+
+
 def interval(projected: float, ledger: pd.DataFrame, measured_column: str, projected_column: str,
              workload: str, precision: str | None, generation: str, floor: float = 0.0,
              other_generations_floor: float | None = None) -> Interval:
@@ -180,12 +191,7 @@ def interval(projected: float, ledger: pd.DataFrame, measured_column: str, proje
     interval is a 95% prediction interval of log(measured / projected) over those cells (Student's t),
     at least `floor` (a relative error) either side, and at least `other_generations_floor` where the
     kind's cells are all on other GPU generations."""
-    usable = ledger.dropna(subset=[measured_column, projected_column])
-    if measured_column == "measured_step_ms":
-        usable = usable[~usable["step_time_noisy"].astype(str).isin(["True", "true", "1"])]
-    else:  # a native reserved figure is compared only with twins measured under the native allocator
-        usable = usable[usable["allocator"].isna() | (usable["allocator"] == "native")]
-    usable = usable[(pd.to_numeric(usable[measured_column]) > 0) & (pd.to_numeric(usable[projected_column]) > 0)]
+    usable = usable_pairs(ledger, measured_column, projected_column)
     usable = usable.assign(log_ratio=np.log(pd.to_numeric(usable[measured_column]).to_numpy(float)
                                             / pd.to_numeric(usable[projected_column]).to_numpy(float)))
     same_family = usable["workload"].map(workload_family) == workload_family(workload)

@@ -393,8 +393,9 @@ def read_results(path: Path) -> pd.DataFrame:
             # A run cut short (killed, or stopped in its accuracy stage) rebuilt its frame only after its last
             # measured cell: its cell files are the results. Read them, leaving the folder as it is.
             print(f"headroom: warning: {path}: {newer} cell files are newer than "
-                  f"{found[0].name if found else 'any results file'} (a run cut short): read from its cells/; "
-                  f"headroom run --resume --out {path} rebuilds the file", file=sys.stderr)
+                  f"{found[0].name if found else 'any results file'} (a run still going, or cut short): read from "
+                  "its cells/; rerunning that run's own headroom run command with --resume rebuilds the file",
+                  file=sys.stderr)
             return _checked(records_frame(ResultsStore(path).rows()), path / "cells")
         if not found:
             raise ValueError(f"{path}: holds no results.parquet or results.csv (run headroom run --out {path}, "

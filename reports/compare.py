@@ -58,7 +58,8 @@ NOT_OK_STATUSES = ("oom", "error", "timeout", "unsupported")
 
 def compare_results(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     """One row per (matched cell, figure) with old, new, change (new / old - 1), the threshold beyond
-    which the change is not noise (relative, as the change), the basis of that threshold and a verdict:
+    which the change is not noise (relative; a timing's rise beyond +t, its fall beyond -t / (1 + t)), the
+    basis of that threshold and a verdict:
     better, worse or within noise; a status change is its own row (`figure` "status"; ok to oom, error,
     timeout or unsupported is worse, the reverse better, one failure to another "changed"); cells only
     in OLD or only in NEW are one row each, "removed" or "added" (`figure` "cell"). Rows are sorted
@@ -77,7 +78,9 @@ def compare_results(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     for column in ("old", "new", "change", "threshold"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype(float)
     order = frame["verdict"].map({verdict: index for index, verdict in enumerate(VERDICTS)})
-    frame = frame.assign(_order=order, _size=-frame["change"].abs().fillna(math.inf))
+    # Largest first on the ratio's logarithm (a halving ranks with a doubling), as timings are judged.
+    size = [abs(math.log1p(c)) if c == c and c > -1 else math.inf for c in frame["change"]]
+    frame = frame.assign(_order=order, _size=[-s for s in size])
     return frame.sort_values(["_order", "_size"], kind="stable").drop(columns=["_order", "_size"]) \
         .reset_index(drop=True)
 
@@ -153,7 +156,7 @@ def _compare_cell(old: dict, new: dict) -> list[dict]:
     projected = old["source"] == "projected"
     for figure, higher in TIMINGS.items():
         before, after = _number(old.get(figure)), _number(new.get(figure))
-        if before is None or after is None or before <= 0 or after <= 0:
+        if before is None or after is None or before <= 0:
             continue
         if projected:
             threshold, basis = PROJECTED_TOLERANCE, "projected: fixed 1%"
@@ -165,7 +168,8 @@ def _compare_cell(old: dict, new: dict) -> list[dict]:
         change = after / before - 1
         # Judged on the log of the ratio, so that a step time and the throughput it gives agree: a relative
         # change is lopsided (a 73% shorter step is a 270% higher throughput), its logarithm is not.
-        verdict = _judge(math.log(after / before), math.log1p(threshold), higher)
+        verdict = _judge(math.log(after / before), math.log1p(threshold), higher) if after > 0 else \
+            _judge(change, threshold, higher)  # fell to nothing: a throughput of 0 is worse, as before
         rows.append(_row(new, figure, verdict, before, after, change, threshold, basis, **statuses))
     for figure in MEMORY:
         before, after = _number(old.get(figure)), _number(new.get(figure))
@@ -238,15 +242,22 @@ def _value(row, side: str) -> str:
     return fmt.number(value, 3) if row["metric"] in LOWER_IS_BETTER_METRICS else f"{100 * float(value):.2f}%"
 
 
-def _threshold(value) -> str:
-    return fmt.EMPTY if fmt.missing(value) else f"±{fmt.percent(value)}"
+def _threshold(value, figure: str = "") -> str:
+    """The threshold as shown: a timing's is symmetric in the ratio's logarithm, so a fall counts beyond
+    -t / (1 + t) where a rise counts beyond +t."""
+    if fmt.missing(value):
+        return fmt.EMPTY
+    if figure in TIMINGS:
+        return f"+{fmt.percent(value)} / -{fmt.percent(value / (1 + value))}"
+    return f"±{fmt.percent(value)}"
 
 
 def formatted_rows(comparison: pd.DataFrame, verdict: str) -> list[dict]:
     """The rows with one verdict as text: cell, figure, old, new, change, threshold, basis."""
     return [{"cell": cell_label(row), "figure": _figure_label(row), "old": _value(row, "old"),
              "new": _value(row, "new"), "change": fmt.signed_percent(row["change"]),
-             "threshold": _threshold(row["threshold"]), "basis": fmt.text(row["basis"]), "verdict": verdict}
+             "threshold": _threshold(row["threshold"], row["figure"]), "basis": fmt.text(row["basis"]),
+             "verdict": verdict}
             for _, row in comparison[comparison["verdict"] == verdict].iterrows()]
 
 
@@ -257,7 +268,8 @@ SECTIONS = {"worse": ("Worse", "worse"), "better": ("Better", "better"),
 METHOD = ("Cells match on workload, size, mode, technique, GPU, source and shape (batch, sequence, image, ranks); "
           "measured rows compare with measured, projected with projected. A measured timing counts when its change "
           "exceeds twice the two runs' combined coefficient of variation (about 95%; at least 2%), a projected one "
-          "beyond 1%; memory beyond max(1 MiB, 1%); accuracy beyond twice the combined standard error over seeds.")
+          "beyond 1%, either way on the ratio's logarithm (a rise beyond +t, a fall beyond -t / (1 + t)); memory "
+          "beyond max(1 MiB, 1%); accuracy beyond twice the combined standard error over seeds.")
 
 
 def compare_markdown(comparison: pd.DataFrame, old_label: str, new_label: str) -> str:

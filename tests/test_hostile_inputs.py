@@ -300,10 +300,13 @@ def test_a_report_that_cannot_be_built_does_not_hide_the_saved_results(tmp_path,
 
 
 def test_escape_codes_in_user_input_are_printed_escaped(tmp_path, capsys):
-    odd = tmp_path / "out\x1b[2J"
+    odd = tmp_path / "out\x1b[2J.html"
     assert main(["report", str(tmp_path / "missing\x1b[31m.csv"), "--out", str(odd)]) == 2
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\\x1b[31m" in err
+    assert main(["report", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "out\x1b[2J")]) == 2  # no suffix
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\\x1b[2J" in err
 
 
 def test_an_interrupted_runner_ends_the_cell_in_flight(tmp_path, monkeypatch):

@@ -137,7 +137,7 @@ def test_ledger_add_merges_results_into_a_ledger_file_once(tmp_path, capsys):
     # The ledger just written, named; a kind too thin to set an interval alone is marked.
     assert main(["ledger", "show", "--ledger", str(target)]) == 0
     shown = capsys.readouterr().out
-    assert shown.startswith(f"ledger: {target}\n") and "* fewer than 3 pairs" in shown
+    assert shown.startswith(f"ledger: {target}\n") and "* fewer than 3 usable cells" in shown
 
 
 def test_ledger_add_of_results_without_twins_says_so_and_writes_nothing(tmp_path, capsys):

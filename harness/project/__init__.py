@@ -122,7 +122,7 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         speed = SpeedFigures(step_time_ms_p50=step.step_s * 1e3, step_time_ms_mean=step.step_s * 1e3,
                              throughput_samples_s=cell.batch_size / step.step_s, step_time_ms_low=bar.low,
                              step_time_ms_high=bar.high, step_time_cells=bar.cells)
-        breakdown = where_the_step_goes(step)  # one device's step: a parallel row's sends are costed apart
+        breakdown = where_the_step_goes(step)
         if breakdown:
             memory.notes.append(breakdown)
     reserved = memory.chosen_reserved

@@ -74,6 +74,9 @@ _NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
 # Ops that take only another tensor's shape, dtype and device from it, never its data: an allocation reads
 # and launches nothing; a fill writes its output only. (Costed as reading their input, a MoE layer's
 # `weight.new_empty(0)` read every expert's weights at each decoded token.)
+# (`torch.empty` and its strided forms are allocations too, but the stored speed fit was made with them costed as
+# a launch writing their output: freeing them moves held-out rows by up to 15 points, so that waits for a refit
+# with `benchmarks/projection_calibration.py --write`.)
 _ALLOCATION = {getattr(torch.ops.aten, name).default for name in ("new_empty", "new_empty_strided", "empty_like")}
 _FILL = {getattr(torch.ops.aten, name).default
          for name in ("new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like")}
@@ -196,7 +199,8 @@ class _OpCostMode(TorchDispatchMode):
         inputs = [] if func in _FILL else [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         # A wrapper subclass (torchao's fp8 training tensors, NF4 weights) is costed as the data it holds: its
         # matmul runs in its inner dtype (fp8 via _scaled_mm, below this mode) and reads its inner bytes.
-        dtype = next((str(leaf.dtype).removeprefix("torch.") for t in inputs or outputs for leaf in leaves(t)
+        dtype = next((str(leaf.dtype).removeprefix("torch.") for t in (outputs if func in _FILL else inputs)
+                      for leaf in leaves(t)
                       if leaf.is_floating_point()), "other")
         if packet is torch.ops.aten._int_mm:
             # int8 x int8 -> int32 GEMM (ptq-int8): FlopCounterMode has no formula for it, and its

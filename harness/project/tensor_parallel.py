@@ -1,5 +1,5 @@
 """One tensor-parallel rank's part of a model, for the projection: the modules `tensor-parallel` shards
-(suites/techniques/parallel.tp_modules) rebuilt at the shapes one rank holds, so the same fake-tensor
+(suites/techniques/tensor_parallel.tp_modules) rebuilt at the shapes one rank holds, so the same fake-tensor
 trace measures that rank's parameters, activations and matmuls.
 
 Megatron-style tensor parallelism over t ranks (Shoeybi et al. 2019, arXiv:1909.08053, section 3): the
