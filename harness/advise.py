@@ -116,8 +116,7 @@ def memory_row(record) -> dict:
 def _summary(record, capacity) -> dict:
     row = memory_row(record)
     return {"stack": record.technique, "reserved": record.peak_reserved_bytes, "step_ms": record.step_time_ms_p50,
-            "left": memory_left(record.peak_reserved_bytes, record.device_overhead_bytes, capacity,
-                                record.peak_allocated_bytes, record.fits),
+            "left": row_memory_left(row, capacity),
             "worst": row_memory_left_worst(row, capacity),
             "status": record.status, "reason": record.reason, "batch": record.batch_size,
             "usd": record.usd_per_million_samples}
@@ -230,10 +229,10 @@ def _when_it_fits(request, record, profile, profiles, project, capacity) -> list
     found = []
     for other in others:
         result = project(gpu=other.id)
-        left = memory_left(result.peak_reserved_bytes, result.device_overhead_bytes,
-                           other.per_device().capacity_bytes, result.peak_allocated_bytes, result.fits)
+        row, other_capacity = memory_row(result), other.per_device().capacity_bytes
+        left = row_memory_left(row, other_capacity)
         if result.status == "ok" and left is not None and left >= 0:
-            worst = row_memory_left_worst(memory_row(result), other.per_device().capacity_bytes)
+            worst = row_memory_left_worst(row, other_capacity)
             found.append((result.usd_per_million_samples or float("inf"), other, result, left, worst))
     # Ranked, and said, per sample: cheaper by the hour is not cheaper per sample when it is slower, and a
     # dearer GPU by the hour is worth naming only where it is cheaper per sample.

@@ -4,6 +4,7 @@ by the step time they cost), and when it fits (a larger batch, a cheaper GPU); h
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from harness.cli_args import _count, _name, _profiles, printable
 
@@ -16,16 +17,21 @@ def add_parser(sub) -> None:
     advise.add_argument("--mode", default="train", choices=("train", "infer"))
     advise.add_argument("--technique", type=_name, default="baseline", metavar="STACK", help="the stack you run now")
     advise.add_argument("--batch-size", type=_count, default=None, help="samples per step (default: the size's own)")
+    advise.add_argument("--prices", type=Path, default=None, metavar="FILE.csv",
+                        help="GPU prices to compare at instead of the profiles' (columns gpu, usd_per_hour, date, "
+                             "source), as `headroom report --prices`")
 
 
 def cmd_advise(args) -> int:
     from harness.advise import advise
+    from harness.prices import priced_profiles
     from harness.project.query import ProjectRequest
 
     request = ProjectRequest(gpu=args.gpu, workload=args.workload, technique=args.technique, mode=args.mode,
                              size=args.size, batch_size=args.batch_size)
     # Each stack is a projection of a few seconds: say which one runs, on stderr so stdout stays the answer.
-    answer = advise(request, _profiles(args), progress=lambda text: print(f"  {text} ...", file=sys.stderr))
+    profiles = priced_profiles(_profiles(args), args.prices)  # a bad --prices file fails before any projection
+    answer = advise(request, profiles, progress=lambda text: print(f"  {text} ...", file=sys.stderr))
     print(printable(answer.headline))
     for line in answer.lines:
         print(printable(f"  {line}"))

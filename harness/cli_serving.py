@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from harness.cli_args import UsageError, _count, _csv, _folder, _profiles, guard_output, printable
 
@@ -20,6 +21,9 @@ def add_parser(sub) -> None:
                         help="contexts (prompt + generated tokens) to find the largest batch at (default 4096,32768)")
     matrix.add_argument("--gen-len", type=_count, default=None, help="tokens generated per sequence (default 128)")
     matrix.add_argument("--eager", action="store_true", help="eager decode instead of compiled (CUDA graphs)")
+    matrix.add_argument("--prices", type=Path, default=None, metavar="FILE.csv",
+                        help="GPU prices to cost tokens at instead of the profiles' (columns gpu, usd_per_hour, date, "
+                             "source), as `headroom report --prices`")
     matrix.add_argument("--out", type=_folder, default=None, metavar="FILE.csv|.parquet", help="keep the frame")
 
 
@@ -36,6 +40,7 @@ def _contexts(values: list[str] | None) -> tuple[int, ...] | None:
 
 
 def cmd_serve_matrix(args) -> int:
+    from harness.prices import priced_profiles
     from harness.profiles import resolve_gpus
     from harness.serve_matrix import C1_GPU, DEFAULT_GEN_LEN, MatrixRequest, context_label, judge_c1, serve_matrix
 
@@ -44,7 +49,7 @@ def cmd_serve_matrix(args) -> int:
             raise UsageError(f"--out {printable(str(args.out))}: the matrix is written as .csv or .parquet; name "
                              "the file so")
         guard_output(args.out, own="serve_matrix.csv")
-    profiles = _profiles(args)
+    profiles = priced_profiles(_profiles(args), args.prices)  # a bad --prices file fails before any projection
     gpus = resolve_gpus(args.gpu, profiles) if args.gpu else [p for p in profiles.values() if p.vendor != "cpu"]
     options = {key: value for key, value in (("sizes", tuple(args.size or ()) or None),
                                              ("weights", tuple(args.weights or ()) or None),
@@ -69,7 +74,8 @@ def cmd_serve_matrix(args) -> int:
           f"{request.gen_len} generated tokens per sequence); speed and cost at the first context, "
           f"{request.contexts[0]:,} tokens: TTFT is the prompts' prefill (all of the batch's, in one step), "
           "USD/M-gen-tok the whole generation's time (prefill included) per million generated tokens (prompt "
-          f"tokens not counted); prices: {_prices(matrix, profiles)}", file=sys.stderr)
+          f"tokens not counted); prices: {_prices(matrix, profiles)}"
+          + (f" (from {printable(str(args.prices))} where it names the GPU)" if args.prices else ""), file=sys.stderr)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         if args.out.suffix.lower() == ".parquet":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 
@@ -118,6 +118,17 @@ def price_table(profiles: dict[str, GpuProfile], override: Path | None = None) -
         raise ValueError(f"--prices {override}: prices would mix bases ({', '.join(bases)}), which reorders "
                          "rankings; price every GPU on one basis (give the others in the file too)")
     return prices
+
+
+def priced_profiles(profiles: dict[str, GpuProfile], override: Path | None) -> dict[str, GpuProfile]:
+    """`profiles` with each price `override` (a --prices file) gives in place of the profile's own, so what
+    costs from profiles (advise's cheaper GPUs, serve-matrix) costs at the user's rates; unchanged without one."""
+    if override is None:
+        return profiles
+    prices = price_table(profiles, override)  # validates the file, and refuses a table of mixed bases
+    return {pid: replace(profile, usd_per_hour=prices[pid].usd_per_hour, price_date=prices[pid].date,
+                         price_source=prices[pid].source) if pid in prices else profile
+            for pid, profile in profiles.items()}
 
 
 def tokens_per_sample(row) -> float | None:

@@ -133,6 +133,24 @@ def test_a_gpu_dearer_by_the_hour_is_named_only_where_it_is_cheaper_per_sample()
     assert lines[2].endswith("(dearer per sample: slower)")
 
 
+def test_advise_compares_gpus_at_a_prices_file(monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def record(request, profiles, progress):
+        seen.update(profiles)
+        return advise.Advice("l4", {}, [], "projected: (not asked here)")
+
+    monkeypatch.setattr(advise, "advise", record)
+    prices = tmp_path / "prices.csv"
+    prices.write_text("gpu,usd_per_hour,date,source\nh200,3.50,2026-11,our contract\n")
+    assert main(["advise", "--gpu", "l4", "--size", "smoke", "--prices", str(prices)]) == 0
+    assert seen["h200"].usd_per_hour == 3.5 and seen["l4"].usd_per_hour  # the file's price beside the profiles'
+    prices.write_text("gpu,usd_per_hour,date,source\nh200,-1,2026-11,x\n")
+    assert main(["advise", "--gpu", "l4", "--size", "smoke", "--prices", str(prices)]) == 2
+    err = capsys.readouterr().err
+    assert "--prices" in err and "positive number" in err and len(err.splitlines()) == 1
+
+
 def test_advise_refuses_a_family_of_several_gpus(capsys):
     assert main(["advise", "--gpu", "h100"]) == 2
     err = capsys.readouterr().err

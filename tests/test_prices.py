@@ -8,7 +8,7 @@ import re
 import pandas as pd
 import pytest
 
-from harness.prices import Price, cost_rows, price_table, read_prices
+from harness.prices import Price, cost_rows, price_table, priced_profiles, read_prices
 from harness.profiles import BUILTIN_PROFILES_DIR, ProfileError, load_profile, load_profiles
 
 PROFILES = load_profiles()
@@ -52,6 +52,17 @@ def test_a_prices_file_replaces_the_profiles_price_gpu_by_gpu(tmp_path):
     assert prices["a10"].usd_per_hour == PROFILES["a10"].usd_per_hour  # untouched
     assert prices["mi250x"].usd_per_hour == 4.0 and prices["mi250x"].per_device == pytest.approx(2.0)  # 2 GCDs
     assert prices["mi250x"].label == "$4.00/h ($2.00 per device), 2026-11"
+
+
+def test_priced_profiles_carry_the_files_price_where_it_names_the_gpu(tmp_path):
+    path = _prices_file(tmp_path, "gpu,usd_per_hour,date,source\nh200,3.50,2026-11,our contract\n"
+                                  "mi250x,4.00,2026-11,a whole package\n")
+    priced = priced_profiles(PROFILES, path)
+    assert (priced["h200"].usd_per_hour, priced["h200"].price_date, priced["h200"].price_source) == \
+        (3.5, "2026-11", "our contract")
+    assert priced["mi250x"].per_device().usd_per_hour == pytest.approx(2.0)  # a package's price, shared by 2 GCDs
+    assert priced["a10"] == PROFILES["a10"] and PROFILES["h200"].usd_per_hour is None  # others and the source kept
+    assert priced_profiles(PROFILES, None) is PROFILES
 
 
 @pytest.mark.parametrize(("text", "fragment"), [

@@ -359,6 +359,26 @@ def test_serve_matrix_command_prints_keeps_and_reports(tmp_path, capsys):
     assert "unknown weight precision 'fp8'" in capsys.readouterr().err
 
 
+def test_serve_matrix_costs_tokens_at_a_prices_file(tmp_path, capsys):
+    from harness.cli import main
+
+    listed = load_profiles()["a100-sxm4-80gb"].usd_per_hour
+    prices = tmp_path / "prices.csv"
+    prices.write_text(f"gpu,usd_per_hour,date,source\na100-sxm4-80gb,{2 * listed},2026-11,our contract\n")
+    costs = []
+    for extra in ([], ["--prices", str(prices)]):
+        out = tmp_path / f"matrix{len(extra)}.csv"
+        assert main(["serve-matrix", "--size", "gpt2-124m", "--gpu", "a100-sxm4-80gb", "--weights", "bf16",
+                     "--context", "1024", "--gen-len", "16", "--out", str(out), *extra]) == 0
+        costs.append(pd.read_csv(out)["usd_per_million_tokens_max"][0])
+    assert costs[1] == pytest.approx(2 * costs[0])  # same speed, twice the hourly price
+    assert f"a100-sxm4-80gb ${2 * listed:,.2f}/h, 2026-11" in capsys.readouterr().err
+    prices.write_text("gpu,usd_per_hour,date,source\na100,1,2026,x\n")
+    assert main(["serve-matrix", "--size", "gpt2-124m", "--prices", str(prices)]) == 2
+    err = capsys.readouterr().err
+    assert "--prices" in err and "did you mean" in err and len(err.splitlines()) == 1
+
+
 def test_a_batched_time_to_first_token_says_it_is_the_whole_batchs_prefill():
     def notes(batch: int) -> str:
         return "; ".join(project(_served("smoke", "baseline", "h100-sxm", batch=batch)).memory.notes)
