@@ -168,11 +168,14 @@ def test_names_are_escaped_in_html_and_markdown():
 
 def test_results_markdown_summarises_measured_cells():
     frame = _frame(_record(run_id="r-1", step_time_ms_p50=12.5, peak_reserved_bytes=3 * 2**30),
-                   _record(run_id="r-1", source="projected", gpu="a100", status="oom"))
+                   _record(run_id="r-1", source="projected", gpu="a100", status="oom"),
+                   _record(run_id="r-1", gpu="cpu", technique="amp-bf16", step_time_ms_p50=40.0,
+                           peak_allocated_bytes=2**30))  # the CPU has no caching allocator: nothing reserved
     text = results_markdown(frame)
-    assert "2 rows from 1 run: r-1." in text
-    assert "| measured | ok | 1 |" in text and "| projected | oom | 1 |" in text
-    assert "### gpt · train" in text and "12.50 ms | 3.0 GiB |" in text
+    assert "3 rows from 1 run: r-1." in text
+    assert "| measured | ok | 2 |" in text and "| projected | oom | 1 |" in text
+    assert "### gpt · train (measured cells only)" in text and "12.50 ms | 3.0 GiB |" in text
+    assert "40.00 ms | 1.0 GiB allocated |" in text and "a100" not in text.split("### gpt")[1]
 
 
 def _write_run(folder, rows: list[dict]):
