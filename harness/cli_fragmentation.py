@@ -90,8 +90,6 @@ def probe_gpu(name: str, profiles) -> str:
 
 def cmd_fragmentation(args) -> int:
     """The probe's rows printed (and kept with --out), then C4's verdict."""
-    import pandas as pd
-
     from harness.fragmentation import judge_c4
     from harness.profiles import detect_local
 
@@ -107,21 +105,40 @@ def cmd_fragmentation(args) -> int:
                          "(the projected probe runs without it)")
     started = time.perf_counter()
     frame, results = probe_rows(profiles, gpu, args.size, args.batch_size, args.measure)
-    shown = frame.assign(**{
-        "reserved GiB": frame["peak_reserved_bytes"] / 2**30,
-        "allocated at that peak GiB": frame["allocated_at_reserved_peak_bytes"] / 2**30,
-        "waste": [f"{w:.0%}" for w in frame["waste"]],
-        "most held free GiB": frame["most_held_free_bytes"] / 2**30,
-        "largest free block GiB": frame["largest_free_block_bytes"] / 2**30})
-    columns = ["scenario", "allocator", "source", "reserved GiB", "allocated at that peak GiB", "waste",
-               "most held free GiB", "largest free block GiB", "retries", "oom"]
-    with pd.option_context("display.width", 250, "display.max_colwidth", 60, "display.float_format", "{:,.2f}".format):
-        print(shown[columns].to_string(index=False))
+    table, legend = probe_table(frame)
+    print(table)
+    for line in legend:
+        print(line)
     print(f"\nC4 (fragmentation wastes 30-50% of GPU memory): {judge_c4(results)}")
     print(f"done in {time.perf_counter() - started:.0f}s (projected rows: the allocator model on {gpu}'s capacity; "
           "the guide's scenario on a device with room for one more 1 GiB tensor)", file=sys.stderr)
     if args.out:
+        replaced = " (replacing the file there)" if args.out.exists() else ""
         args.out.parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(args.out, index=False)
-        print(f"rows -> {printable(str(args.out))}", file=sys.stderr)
+        print(f"rows -> {printable(str(args.out))}{replaced}", file=sys.stderr)
     return 0
+
+
+def probe_table(frame) -> tuple[str, list[str]]:
+    """The probe's rows for people: scenarios numbered (their full text, with the loop's lengths, under the
+    table rather than in a column as wide as it), one-token headers, GiB to 2 places, '-' where a setting
+    has no such figure (cudaMallocAsync keeps no blocks the probe can see)."""
+    import pandas as pd
+
+    scenarios = list(dict.fromkeys(frame["scenario"]))
+
+    def gib(values):
+        return [f"{v / 2**30:,.2f}" if v == v and v is not None else "-" for v in values]
+
+    shown = {"scenario": [f"[{scenarios.index(s) + 1}]" for s in frame["scenario"]],
+             "allocator": frame["allocator"], "source": frame["source"],
+             "reserved-GiB": gib(frame["peak_reserved_bytes"]),
+             "alloc@peak-GiB": gib(frame["allocated_at_reserved_peak_bytes"]),
+             "waste": [f"{w:.0%}" for w in frame["waste"]],
+             "held-free-GiB": gib(frame["most_held_free_bytes"]),
+             "largest-free-GiB": gib(frame["largest_free_block_bytes"]),
+             "retries": [str(int(r)) if r == r and r is not None else "-" for r in frame["retries"]],
+             "oom": ["yes" if bool(o) else "no" for o in frame["oom"]]}
+    legend = [f"scenario [{index}] {printable(text)}" for index, text in enumerate(scenarios, 1)]
+    return pd.DataFrame(shown).to_string(index=False), legend

@@ -77,12 +77,13 @@ def cmd_serve_matrix(args) -> int:
           f"tokens not counted); prices: {_prices(matrix, profiles)}"
           + (f" (from {printable(str(args.prices))} where it names the GPU)" if args.prices else ""), file=sys.stderr)
     if args.out:
+        replaced = " (replacing the file there)" if args.out.exists() else ""
         args.out.parent.mkdir(parents=True, exist_ok=True)
         if args.out.suffix.lower() == ".parquet":
             matrix.to_parquet(args.out, index=False)
         else:
             matrix.to_csv(args.out, index=False)
-        print(f"matrix -> {printable(str(args.out))}", file=sys.stderr)
+        print(f"matrix -> {printable(str(args.out))}{replaced}", file=sys.stderr)
     return 0
 
 

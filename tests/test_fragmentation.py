@@ -152,6 +152,11 @@ def test_the_command_prints_the_rows_and_c4_and_the_report_draws_them(tmp_path, 
     assert main(["fragmentation", "--size", "smoke", "--batch-size", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "C4 (fragmentation wastes 30-50% of GPU memory)" in printed and "expandable_segments" in printed
+    table = printed.split("\nscenario [1] ")[0].splitlines()
+    assert len(table) == 7 and max(map(len, table)) <= 120  # scenarios numbered, their text under the table
+    assert "scenario [2] variable-length training: gpt smoke batch 2, lengths " in printed
+    assert main(["fragmentation", "--size", "smoke", "--batch-size", "2", "--out", str(out)]) == 0
+    assert "(replacing the file there)" in capsys.readouterr().err
     rows = pd.read_csv(out)
     assert len(rows) == 6 and set(rows["allocator"]) == {"native", "expandable_segments", "cudaMallocAsync"}
     from harness.records import records_frame

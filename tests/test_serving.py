@@ -372,7 +372,8 @@ def test_serve_matrix_costs_tokens_at_a_prices_file(tmp_path, capsys):
                      "--context", "1024", "--gen-len", "16", "--out", str(out), *extra]) == 0
         costs.append(pd.read_csv(out)["usd_per_million_tokens_max"][0])
     assert costs[1] == pytest.approx(2 * costs[0])  # same speed, twice the hourly price
-    assert f"a100-sxm4-80gb ${2 * listed:,.2f}/h, 2026-11" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"a100-sxm4-80gb ${2 * listed:,.2f}/h, 2026-11" in err and "(replacing the file there)" not in err
     prices.write_text("gpu,usd_per_hour,date,source\na100,1,2026,x\n")
     assert main(["serve-matrix", "--size", "gpt2-124m", "--prices", str(prices)]) == 2
     err = capsys.readouterr().err
