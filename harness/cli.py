@@ -247,8 +247,9 @@ def cmd_profiles(args) -> int:
     """One line per profile: what fits (the memory a process can use, as projections count it), how fast
     (dense bf16 peak, fp16 where there is no bf16; memory bandwidth), and what it costs; a multi-device
     package per device, as it runs."""
+    profiles = _profiles(args)  # a bad --profiles folder is refused before the header is printed
     print(f"{'id':16} {'family':8} {'name':28} {'usable':>10} {'16-bit dense':>18} {'bandwidth':>10}  price")
-    for profile in _profiles(args).values():
+    for profile in profiles.values():
         device = profile.per_device()
         usable = f"{device.capacity_bytes / 2**30:,.1f} GiB" if device.capacity_bytes else "?"
         half = next(((name, device.peak(name)) for name in ("bf16", "fp16") if device.peak(name)), None)
@@ -262,8 +263,17 @@ def cmd_profiles(args) -> int:
     return 0
 
 
+def _check_given_profiles(args) -> None:
+    """Read a --profiles folder a listing does not use, so a mistyped one is refused (one line, exit 2)
+    rather than ignored."""
+    if getattr(args, "profiles", None):
+        _profiles(args)
+
+
 def cmd_techniques(args) -> int:
     from suites.techniques import RECIPES, TECHNIQUES
+
+    _check_given_profiles(args)
 
     print(f"{'technique':24} {'guide':5} {'phase':13} what it does")
     print(f"{'baseline':24} {'':5} {'':13} no technique")
@@ -280,6 +290,8 @@ def cmd_workloads(args) -> int:
     from suites.workloads import PROBES, WORKLOADS
     from suites.workloads.base import count_parameters
 
+    _check_given_profiles(args)
+
     print(f"{'workload':13} {'size':12} {'scale':9} {'parameters':>11}  {'batch':>5}  input")
     for workload in [*WORKLOADS.values(), *PROBES.values()]:
         for spec in workload.sizes.values():
@@ -294,6 +306,7 @@ def cmd_workloads(args) -> int:
 def cmd_env(args) -> int:
     from harness.provenance import environment
 
+    _check_given_profiles(args)
     for key, value in environment().items():
         print(f"{key:15} {value if value is not None else '-'}")
     return 0

@@ -100,6 +100,13 @@ def test_bad_input_is_one_line_and_exit_code_2(argv, fragment, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["profiles", "techniques", "workloads", "env"])
+def test_a_listing_refuses_a_missing_profiles_folder_before_printing(command, tmp_path, capsys):
+    assert main([command, "--profiles", str(tmp_path / "typo")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "profiles folder does not exist" in captured.err
+
+
 def test_profiles_list_the_memory_a_process_can_use_its_bandwidth_and_a_packages_share(capsys):
     assert main(["profiles"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
