@@ -208,8 +208,10 @@ def candidate_stacks(mode: str, profile) -> list[str]:
 
 def _when_it_fits(request, record, profile, profiles, project, capacity) -> list[str]:
     """What a fitting cell could do instead: the largest batch here, and GPUs that still hold it cheaper by
-    the hour or per sample, at the same batch."""
+    the hour or per sample. Per sample, each GPU is compared at the largest batch it holds (as a buyer would
+    run it), the asked batch where none larger fits or where --max-batch already asked for the largest."""
     lines = []
+    mine = record.usd_per_million_samples
     if not request.max_batch:
         largest = project(max_batch=True, batch_size=None)
         if largest.status == "ok" and largest.batch_size and largest.batch_size > record.batch_size:
@@ -217,10 +219,11 @@ def _when_it_fits(request, record, profile, profiles, project, capacity) -> list
                 if largest.usd_per_million_samples else ""
             lines.append(f"a larger batch fits: up to {largest.batch_size} (now {record.batch_size}), "
                          f"{largest.throughput_samples_s or 0:,.1f} samples/s{cost}")
+            mine = _cheapest(mine, largest.usd_per_million_samples)
     price = profile.per_device().usd_per_hour
     if price is None:
         lines.append(f"no price is known for {profile.id}: which GPU is cheaper cannot be said "
-                     "(headroom report --prices prices rows at yours)")
+                     "(headroom advise --prices FILE.csv compares at yours)")
         return lines
     needed = (record.peak_reserved_bytes or 0) + (record.device_overhead_bytes or 0)
     # Every priced GPU that could hold it: a dearer one by the hour can be cheaper per sample when it is faster.
@@ -233,23 +236,41 @@ def _when_it_fits(request, record, profile, profiles, project, capacity) -> list
         left = row_memory_left(row, other_capacity)
         if result.status == "ok" and left is not None and left >= 0:
             worst = row_memory_left_worst(row, other_capacity)
-            found.append((result.usd_per_million_samples or float("inf"), other, result, left, worst))
+            larger = None if request.max_batch else project(gpu=other.id, max_batch=True, batch_size=None)
+            if not (larger and larger.status == "ok" and larger.batch_size
+                    and larger.batch_size > result.batch_size and larger.usd_per_million_samples):
+                larger = None
+            best = _cheapest(result.usd_per_million_samples, larger.usd_per_million_samples if larger else None)
+            found.append((best if best is not None else float("inf"), other, result, left, worst, larger))
     # Ranked, and said, per sample: cheaper by the hour is not cheaper per sample when it is slower, and a
     # dearer GPU by the hour is worth naming only where it is cheaper per sample.
-    mine = record.usd_per_million_samples
-    for usd, other, result, left, worst in sorted(found, key=lambda item: item[0]):
+    named = 0
+    for best, other, result, left, worst, larger in sorted(found, key=lambda item: item[0]):
         hourly = other.per_device().usd_per_hour
-        per_sample = mine and usd != float("inf") and usd < mine
+        per_sample = mine and best != float("inf") and best < mine
         if hourly >= price and not per_sample:
             continue
-        verdict = "" if not mine or usd == float("inf") else \
+        verdict = "" if not mine or best == float("inf") else \
             (" (cheaper per sample too)" if per_sample and hourly < price else
-             " (dearer by the hour, cheaper per sample: faster)" if per_sample else " (dearer per sample: slower)")
+             " (dearer by the hour, cheaper per sample)" if per_sample else " (dearer per sample)")
         step = f", {result.step_time_ms_p50:,.0f} ms per step" if result.step_time_ms_p50 else ""
-        cost = f", ${usd:,.2f} per million samples" if usd != float("inf") else ""
+        usd = result.usd_per_million_samples
+        cost = f", ${usd:,.2f} per million samples" if usd else ""
+        if larger:
+            cost += f"; up to batch {larger.batch_size}: ${larger.usd_per_million_samples:,.2f}"
         lines.append(f"{'a cheaper' if hourly < price else 'another'} GPU holds it: {other.id} (${hourly:,.2f}/h, "
-                     f"{other.price_date}) at batch {record.batch_size} with {gib(left)} left{uncertain_fit(worst)}"
+                     f"{other.price_date}) at batch {result.batch_size} with {gib(left)} left{uncertain_fit(worst)}"
                      f"{step}{cost}{verdict}")
+        named += 1
+    if named and mine:
+        lines.append(f"per sample, each GPU is compared at the largest batch it holds (here ${mine:,.2f} per million "
+                     "samples); cheaper or dearer by the hour at the on-demand prices shown")
     if not lines:
         lines.append(f"no larger batch and no cheaper GPU profile with a price holds {request.technique}")
     return lines
+
+
+def _cheapest(*costs) -> float | None:
+    """The lowest of the known costs, None where none is known."""
+    known = [cost for cost in costs if cost]
+    return min(known) if known else None

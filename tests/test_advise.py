@@ -127,10 +127,37 @@ def test_a_gpu_dearer_by_the_hour_is_named_only_where_it_is_cheaper_per_sample()
 
     request = SimpleNamespace(max_batch=True, technique="amp-bf16")
     lines = advise._when_it_fits(request, project(), profiles["h100-sxm"], profiles, project, None)
-    named = [line.split(": ")[1].split(" ")[0] for line in lines]
+    named = [line.split(": ")[1].split(" ")[0] for line in lines[:-1]]
     assert named == ["b200", "a10", "l4"]  # per sample, cheapest first; no other GPU dearer by the hour
     assert lines[0].startswith("another GPU holds it: b200") and "(dearer by the hour, cheaper per sample" in lines[0]
-    assert lines[2].endswith("(dearer per sample: slower)")
+    assert lines[2].endswith("(dearer per sample)")
+    assert lines[3].startswith("per sample, each GPU is compared at the largest batch it holds (here $1.00")
+
+
+def test_gpus_are_compared_per_sample_at_the_largest_batch_each_holds():
+    from types import SimpleNamespace
+
+    from harness.profiles import load_profiles
+
+    profiles = load_profiles()
+    # At the asked batch 8 the H100 costs $1.00 per million samples and the B200 $1.10; at their largest
+    # batches (32 and 96) $0.90 and $0.60: the B200, dearer at batch 8, is cheaper as a buyer would run it.
+    costs = {("h100-sxm", False): (8, 1.0), ("h100-sxm", True): (32, 0.9),
+             ("b200", False): (8, 1.1), ("b200", True): (96, 0.6)}
+
+    def project(gpu="h100-sxm", max_batch=False, **_):
+        batch, usd = costs.get((gpu, max_batch), (8, None))
+        return SimpleNamespace(status="ok" if usd else "oom", peak_reserved_bytes=GIB, peak_reserved_high_bytes=GIB,
+                               device_overhead_bytes=GIB // 2, peak_allocated_bytes=GIB, fits=bool(usd),
+                               usd_per_million_samples=usd, step_time_ms_p50=10.0, batch_size=batch,
+                               throughput_samples_s=800.0)
+
+    request = SimpleNamespace(max_batch=False, technique="amp-bf16")
+    lines = advise._when_it_fits(request, project(), profiles["h100-sxm"], profiles, project, None)
+    assert lines[0].startswith("a larger batch fits: up to 32 (now 8)")
+    assert lines[1].startswith("another GPU holds it: b200") and "$1.10 per million samples; up to batch 96: $0.60" \
+        in lines[1] and lines[1].endswith("(dearer by the hour, cheaper per sample)")
+    assert "(here $0.90 per million samples)" in lines[2] and len(lines) == 3
 
 
 def test_advise_compares_gpus_at_a_prices_file(monkeypatch, tmp_path, capsys):
