@@ -1,6 +1,6 @@
 """OOM advice: when a cell does not fit, the stacks that make it fit, ranked by the step time they
-cost; when it fits, the largest batch and the GPUs on which it still fits for less (by the hour or per
-sample, at the same batch).
+cost; when it fits, the largest batch and the GPUs on which it still fits for less (by the hour, or per
+sample at the largest batch each GPU holds).
 
 Memory left is the device's visible memory less the peak the caching allocator reserves and what
 lives outside it (the CUDA context), the same test the projection's `fits` applies. The report ranks
