@@ -55,13 +55,17 @@ def config_overrides(text) -> dict[str, int]:
 
 
 def _point(label, group, workload, size, technique, gpu, batch, seq_len, mode, profiles, measured_s, source,
-           phases=PHASES, config=None) -> SpeedPoint:
+           phases=PHASES, config=None, one_forward=False) -> SpeedPoint:
     spec = WORKLOADS[workload].sizes[size]
     if seq_len and not pd.isna(seq_len) and spec.seq_len != int(seq_len):
         spec = dataclasses.replace(spec, seq_len=int(seq_len))
     if config:  # a name the workload's config does not have fails where the model is built
         spec = dataclasses.replace(spec, config={**spec.config, **config})
     cell = Cell(workload, size, mode, technique, gpu, int(batch), "projected").resolve(profiles, spec=spec)
+    if one_forward:
+        # A served decoder's inference cell is a generation; a pair measured as one forward pass over the whole
+        # sequence (every position's logits) is projected as that forward, not as a prefill and decode steps.
+        cell = dataclasses.replace(cell, spec=dataclasses.replace(cell.spec, seq_len=spec.seq_len, gen_len=None))
     projection = project(cell)
     profile = cell.profile.per_device()
     ops = op_arrays(projection.trace, profile, tf32_matmul=projection.trace.tf32, phases=phases)
@@ -70,15 +74,21 @@ def _point(label, group, workload, size, technique, gpu, batch, seq_len, mode, p
 
 
 def ledger_points(profiles) -> list[SpeedPoint]:
-    points = []
+    points, generations = [], 0
     for row in read_ledger().to_dict("records"):
         if str(row["step_time_noisy"]) == "True" or pd.isna(row["measured_step_ms"]):
             continue
-        label = f"{row['workload']} {row['mode']} {row['technique']} b{row['batch_size']}"
+        served = row["mode"] == "infer" and WORKLOADS[row["workload"]].serving is not None
+        if served and not pd.isna(row["gen_len"]):
+            generations += 1  # a whole generation's time: the fit costs one step of phases, not gen_len steps
+            continue
+        label = f"{row['workload']} {row['mode']} {row['technique']} b{row['batch_size']}" + (" fwd" if served else "")
         group = f"{row['gpu']} {label} s{row['seq_len']}"
         points.append(_point(label, group, row["workload"], row["size"], row["technique"], row["gpu"],
                              row["batch_size"], row["seq_len"], row["mode"], profiles, row["measured_step_ms"] / 1e3,
-                             f"ledger: {row['device_name']}, torch {row['torch_version']}"))
+                             f"ledger: {row['device_name']}, torch {row['torch_version']}", one_forward=served))
+    if generations:
+        print(f"{generations} ledger pairs of whole generations left out of the fit: it has no decode term yet")
     return points
 
 

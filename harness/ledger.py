@@ -31,8 +31,11 @@ COLUMNS = ["ledger_version", "pair_id", "workload", "size", "mode", "technique",
            "batch_size", "seq_len", "image_size", "allocator", "measured_step_ms", "projected_step_ms",
            "measured_peak_reserved_bytes", "projected_peak_reserved_bytes", "measured_peak_allocated_bytes",
            "projected_peak_allocated_bytes", "step_time_noisy", "device_name", "driver_version", "torch_version",
-           "headroom_version", "measured_at", "projected_by", "origin"]
-NUMERIC_COLUMNS = ["batch_size", "measured_step_ms", "projected_step_ms", "measured_peak_reserved_bytes",
+           "headroom_version", "measured_at", "projected_by", "origin", "gen_len"]
+# Columns added after ledgers were first written: a ledger without one reads it as empty. `gen_len`: tokens a
+# served decoder's measured cell generated (its step is the whole generation); empty for one forward pass.
+LATER_COLUMNS = ("gen_len",)
+NUMERIC_COLUMNS = ["gen_len", "batch_size", "measured_step_ms", "projected_step_ms", "measured_peak_reserved_bytes",
                    "projected_peak_reserved_bytes", "measured_peak_allocated_bytes", "projected_peak_allocated_bytes"]
 # A kind needs this many cells before its own spread is trusted; else the next broader kind is used.
 MIN_PAIRS = 3
@@ -45,6 +48,8 @@ def pair_id(row: dict) -> str:
     key = [row.get(c) for c in ("workload", "size", "mode", "technique", "gpu", "batch_size", "seq_len",
                                 "allocator", "device_name", "driver_version", "torch_version", "measured_step_ms",
                                 "measured_peak_reserved_bytes", "measured_at")]
+    if _value(row.get("gen_len")) is not None:  # only where present: the ids of earlier pairs stay as they were
+        key.append(row["gen_len"])
     return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
 
 
@@ -71,7 +76,8 @@ def pairs_from_rows(rows: list[dict], generations: dict[str, str], origin: str) 
             "step_time_noisy": timing_noisy(measured),
             "device_name": measured.get("device_name"), "driver_version": _value(measured.get("driver_version")),
             "torch_version": measured.get("torch_version"), "headroom_version": measured.get("git_sha"),
-            "measured_at": measured.get("created_at"), "projected_by": projected.get("git_sha"), "origin": origin}
+            "measured_at": measured.get("created_at"), "projected_by": projected.get("git_sha"), "origin": origin,
+            "gen_len": _value(measured.get("gen_len"))}
         row["pair_id"] = pair_id(row)
         out.append(row)
     return pd.DataFrame(out, columns=COLUMNS)
@@ -111,6 +117,9 @@ def read_ledger(path: Path = LEDGER_FILE) -> pd.DataFrame:
     if not path.exists():
         return pd.DataFrame(columns=COLUMNS)
     frame = pd.read_csv(path)
+    for column in LATER_COLUMNS:
+        if column not in frame:
+            frame[column] = pd.NA
     missing = [c for c in COLUMNS if c not in frame]
     if missing:
         raise ValueError(f"{path}: not a headroom ledger (missing columns {', '.join(missing[:3])}); "

@@ -56,7 +56,7 @@ def results_markdown(frame: pd.DataFrame, profiles: dict | None = None, prices: 
     if measured.empty:
         lines += ["No measured cells: every figure here is projected.", ""]
         return "\n".join(lines)
-    headers = ["size", "technique", "GPU", "batch", "status", "step time p50", "peak reserved"]
+    headers = ["size", "technique", "GPU", "batch", "status", "step time p50", "peak memory (reserved)"]
     for (workload, mode), group in measured.groupby(["workload", "mode"], sort=True):
         group = group.sort_values(["size", "technique", "gpu", "batch_size"], kind="stable")
         rows = [[fmt.text(row["size"]), fmt.text(row["technique"]), fmt.text(row["gpu"]), fmt.text(row["batch_size"]),

@@ -45,6 +45,19 @@ def test_the_shipped_ledger_holds_the_kept_h200_twins_with_provenance():
     assert ledger[["driver_version", "torch_version", "headroom_version", "origin"]].notna().all().all()
 
 
+def test_a_ledger_written_before_gen_len_reads_it_empty_and_keeps_its_pair_ids(tmp_path):
+    from harness.ledger import pair_id
+
+    old = tmp_path / "ledger.csv"
+    read_ledger().drop(columns=["gen_len"]).to_csv(old, index=False)
+    ledger = read_ledger(old)
+    assert list(ledger.columns) == COLUMNS and ledger["gen_len"].isna().all()
+    row = {key: value for key, value in ledger.iloc[0].to_dict().items() if key != "gen_len"}
+    # An empty gen_len leaves a pair's id as it was before the column; a generation's pair is another pair.
+    assert pair_id(row | {"gen_len": None}) == pair_id(row) == pair_id(row | {"gen_len": float("nan")})
+    assert pair_id(row | {"gen_len": 128}) != pair_id(row)
+
+
 def test_a_twin_written_without_the_noisy_flag_is_judged_from_its_recorded_spread():
     """The H200 check's CSV lost the `noisy` column; its step-time CV survives, and the runner's threshold
     (5%) flags the ResNet checkpointing cell (CV 18.9%) and both BERT amp-bf16 cells (6.5-6.6%)."""

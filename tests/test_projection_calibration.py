@@ -58,3 +58,30 @@ def test_constants_on_their_bounds_are_named():
               "bandwidth_efficiency": 0.6}
     assert [(name, low, high) for name, _, low, high in calibration.at_bounds(values)] == [
         ("attention_efficiency", 0.1, 0.84), ("unaligned_efficiency", 0.3, 1.0)]
+
+
+def test_a_served_decoders_pair_measured_as_one_forward_is_projected_as_that_forward():
+    # The H200 check timed gpt inference as one forward over 1,024 tokens (every position's logits); an
+    # inference cell is a generation now, whose prefill and decode steps are another program.
+    profiles = load_profiles()
+    forward = calibration._point("x", "g", "gpt", "gpt2-124m", "baseline", "h200", 8, 1024, "infer", profiles, 1.0,
+                                 "test", one_forward=True)
+    generation = calibration._point("x", "g", "gpt", "gpt2-124m", "baseline", "h200", 8, 1024, "infer", profiles,
+                                    1.0, "test")
+    assert set(forward.ops.phase) == {0}  # the forward phase only
+    assert 1 not in set(generation.ops.phase) and len(set(generation.ops.phase)) == 3  # prefill and two decodes
+    # The forward's head makes 1,024 positions' logits; the prefill's only the last one's.
+    assert (forward.ops.flops * forward.ops.count).sum() > 1.2 * (generation.ops.flops * generation.ops.count).sum()
+
+
+def test_generation_pairs_are_left_out_of_the_fit_and_counted(monkeypatch, capsys):
+    import pandas as pd
+
+    from harness.ledger import COLUMNS
+
+    row = {c: None for c in COLUMNS} | {"workload": "gpt", "size": "gpt2-124m", "mode": "infer",
+                                        "technique": "baseline", "gpu": "h200", "batch_size": 8, "seq_len": 896,
+                                        "gen_len": 128, "measured_step_ms": 300.0, "step_time_noisy": False}
+    monkeypatch.setattr(calibration, "read_ledger", lambda: pd.DataFrame([row], columns=COLUMNS))
+    assert calibration.ledger_points(load_profiles()) == []
+    assert "1 ledger pairs of whole generations left out of the fit" in capsys.readouterr().out

@@ -219,6 +219,17 @@ def test_a_decoded_tokens_time_is_near_what_reading_its_experts_weights_takes():
     assert decode < 0.4 * trace.params_bytes
 
 
+def test_a_decode_step_is_costed_by_the_bandwidth_it_streams_not_by_idle_sms():
+    # An fp32 decode on CUDA cores: the A100 has 2.6x the A10's bandwidth but less fp32 peak (19.5 vs 31.2
+    # TFLOP/s). A decode step's skinny matmuls stream their weights (GEMV, split-K), so the A100 decodes faster;
+    # costed with a full wave's idle SMs each, the A10 came out 1.75x faster.
+    def decode_s(gpu):
+        cell = Cell("gpt", "gpt2-124m", "infer", "baseline", gpu, 8, "projected", prompt_len=896, gen_len=128)
+        return project(cell.resolve(PROFILES)).generation.decode_mean_s
+
+    assert decode_s("a100-sxm4-40gb") < 0.8 * decode_s("a10")
+
+
 def test_foreach_ops_launch_a_kernel_per_chunk_of_tensors():
     assert foreach_kernels(([torch.empty(1)] * 10, [torch.empty(1)] * 10)) == 1
     assert foreach_kernels(([torch.empty(1)] * 130,)) == 3

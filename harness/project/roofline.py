@@ -5,7 +5,8 @@ time and the host's issue time of each step phase are combined.
   datasheet derated by generation), times its class's efficiency (convolutions on tensor cores; fused
   attention, which on Hopper and Blackwell runs an Ampere-era kernel at a smaller share still), on a
   saturation curve: a GEMM of f FLOPs runs at rate * f / (f + f_half), f_half growing with the SM
-  count (small GEMMs leave SMs idle), so it takes (f + f_half) / rate.
+  count (small GEMMs leave SMs idle), so it takes (f + f_half) / rate; a decode step's skinny matmuls and
+  one-query attention (GEMV, split-K kernels over every SM) pay at most their memory time for the idle SMs.
 - Memory: bytes read + written at the datasheet bandwidth times a fitted efficiency (a measured copy rate
   replaces it only where the vendor's constants were never fitted). An op takes the longer of the two, plus a
   fixed cost per kernel it launches (launch, tail; a foreach op launches one per chunk of tensors). A
@@ -163,16 +164,25 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     attention_efficiency = gpu.attention_efficiency * np.where(ops.simt, 1.0, gpu.attention_generation_scale)
     rate = rate * np.choose(ops.op_class, [1.0, conv_efficiency, attention_efficiency, 1.0])
     rate = np.where(ops.aligned, rate, rate * gpu.unaligned_efficiency)
-    saturation = gpu.saturation_flops_per_sm * ops.sm_count
-    compute = np.where(has_flops, (ops.flops + saturation) / np.where(has_flops, rate, 1.0), 0.0)
     memory = ops.bytes / bandwidth
     if ops.streaming is not None and ops.streaming.any():
         # No decode has been fitted: the stream efficiency is a prior, and a measured copy rate replaces it.
         stream = ops.achievable_bandwidth or (ops.bandwidth * gpu.stream_bandwidth_efficiency)
         memory = np.where(ops.streaming, ops.bytes / stream, memory)
-        rate = ("the measured copy rate" if ops.achievable_bandwidth else
-                f"{gpu.stream_bandwidth_efficiency:.2f} of the datasheet bandwidth (prior)")
-        notes.append(f"prefill/decode matmuls and attention stream at {rate}")
+        streamed_at = ("the measured copy rate" if ops.achievable_bandwidth else
+                       f"{gpu.stream_bandwidth_efficiency:.2f} of the datasheet bandwidth (prior)")
+        notes.append(f"prefill/decode matmuls and attention stream at {streamed_at}")
+    # The saturation curve's cost, f_half / rate, is the time an under-filled wave of output tiles leaves SMs
+    # idle. A decode step's matmuls are a few rows (the batch) by a weight, and its attention one query by the
+    # cache: cuBLAS runs such skinny shapes as GEMV or split-K kernels, and SDPA splits the cache's keys
+    # (flash-decoding), over every SM, streaming the weight or cache at bandwidth; so their idle-SM cost is at
+    # most their memory time. Uncapped, an fp32 decode GEMM on CUDA cores paid f_half / fp32 rate
+    # (0.13 ms on an A100, 25x its weight's read) and an A10 decoded faster than an A100 with 2.6x its bandwidth.
+    saturation_s = gpu.saturation_flops_per_sm * ops.sm_count / np.where(has_flops, rate, 1.0)
+    decoding = np.isin(ops.phase, [PHASES.index("decode_first"), PHASES.index("decode_last")])
+    skinny = decoding & np.isin(ops.op_class, [_CLASS_INDEX["matmul"], _CLASS_INDEX["attention"]])
+    saturation_s = np.where(skinny, np.minimum(saturation_s, memory), saturation_s)
+    compute = np.where(has_flops, ops.flops / np.where(has_flops, rate, 1.0) + saturation_s, 0.0)
     launch = ops.kernels * gpu.kernel_s
     transposes = layout_transposes_s(ops, bandwidth, gpu.kernel_s)
     issue_per_op = (np.array([constants.issue_s[i] for i in ISSUERS])[ops.issuer]
