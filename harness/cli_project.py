@@ -35,8 +35,9 @@ def add_parser(sub) -> None:
                          help="instead: the largest size of --workload that fits --gpu at its smallest batch")
     ranks = project.add_mutually_exclusive_group()
     ranks.add_argument("--dp", type=_count, default=None, metavar="N",
-                       help="GPUs a data-parallel or sharded stack runs on (the global batch: N x the size's batch, "
-                            "or --batch-size where given)")
+                       help="data-parallel degree: replicas or shards of the model, each of --tp x --pp GPUs (so "
+                            "N x tp x pp GPUs in all); the global batch is N x the size's batch (x the pipeline's "
+                            "micro-batches with --pp, x --ep), or --batch-size where given")
     ranks.add_argument("--min-gpus", action="store_true",
                        help="the fewest GPUs on which a parallel stack fits (data-parallel groups of 1, 2, 4, ... "
                             "of --tp x --pp GPUs)")

@@ -126,6 +126,13 @@ def test_collectives_are_ring_volumes_and_cross_the_slowest_link():
     assert link_bytes_s(h100, 8)[0] == 450e9  # NVLink4: 900 GB/s both ways
     bandwidth, why = link_bytes_s(h100, 16)
     assert bandwidth == pytest.approx(400e9 / 8) and "node network" in why  # 8 x 400 Gb/s per DGX H100 node
+    # A ring collective crosses nodes through the NICs of its members in each node (NCCL: a ring per NIC):
+    # a data-parallel group of every GPU uses all 8, one under 8-way tensor parallelism only its own.
+    assert link_bytes_s(h100, 16, ring_stride=1)[0] == pytest.approx(400e9)
+    assert link_bytes_s(h100, 64, ring_stride=2)[0] == pytest.approx(200e9)
+    assert link_bytes_s(h100, 64, ring_stride=8)[0] == pytest.approx(50e9)
+    assert link_bytes_s(h100, 8, ring_stride=1)[0] == 450e9  # inside a node: NVLink, as before
+    assert link_bytes_s(PROFILES["a100-sxm4-80gb"], 16, ring_stride=1)[0] == pytest.approx(200e9)
     assert link_bytes_s(PROFILES["l4"], 4)[1].startswith("PCIe Gen4 x16 through the host")
     assert link_bytes_s(PROFILES["t4"], 16)[0] is None  # no node network known: no step time, said why
 
@@ -204,6 +211,15 @@ def test_min_gpus_answers_the_fewest_that_hold_the_stack():
 def _projected(stack: str, world: int, size: str = "gpt3-175b", gpu: str = "h100-sxm", batch: int = 256):
     cell = Cell("gpt", size, "train", stack, gpu, batch, source="projected", world_size=world)
     return project_outcome(cell.resolve(PROFILES))
+
+
+def test_fsdp_past_one_node_gathers_through_every_nic_of_the_node():
+    # Weak scaling, one sample per GPU: 16 GPUs on 2 nodes gather and scatter at the node's 400 GB/s (8 NICs),
+    # hidden under compute as 8 on one node's NVLink are; at one NIC's 50 GB/s it was twice the step.
+    one_node, two_nodes = (_projected("fsdp+amp-bf16+checkpointing", world, size="gpt-7b", batch=world)
+                           for world in (8, 16))
+    assert two_nodes.speed.step_time_ms_p50 < 1.1 * one_node.speed.step_time_ms_p50
+    assert any("the rings through 8 of its 8 NICs" in note for note in two_nodes.notes)
 
 
 def test_expert_parallel_ranks_hold_their_experts_and_exchange_every_moe_layers_tokens():

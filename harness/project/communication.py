@@ -19,10 +19,18 @@ SHARDED = ("fsdp", "fsdp-zero2", "cpu-offload")
 DEFAULT_NODE_GPUS = 8
 
 
-def link_bytes_s(profile, ranks: int) -> tuple[float | None, str]:
-    """One direction of the slowest link a ring over `ranks` consecutive GPUs crosses, and which link that
-    is: inside a node NVLink (its datasheet figure is both directions) or, without one, the host link;
-    between nodes the node's network shared by its GPUs.
+def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[float | None, str]:
+    """One direction of the slowest link a group spanning `ranks` consecutive GPUs crosses, and which link
+    that is: inside a node NVLink (its datasheet figure is both directions) or, without one, the host link;
+    between nodes a GPU's share of the node's network (one NIC per GPU, as DGX/HGX nodes have).
+
+    `ring_stride`: the group runs ring collectives (NCCL all-reduce, all-gather, reduce-scatter) over
+    members `ring_stride` GPUs apart (a data-parallel group under t-way tensor parallelism: t). NCCL runs one
+    ring per NIC its members sit by, each carrying its share of the bytes across the node boundary, so the
+    members' rate between nodes is the NICs of node_gpus / stride GPUs together: on 2 nodes of 8 x 100 Gb/s
+    NICs a 16-GPU all-reduce reached 75 of their 100 GB/s bus bandwidth, "roughly matching our expectation"
+    (NVIDIA/nccl#495), and NDR NICs give 46-48 GB/s each (NVIDIA/nccl-tests#290). Point-to-point sends
+    (pipeline stages, all-to-all) leave through each GPU's own NIC.
 
     At the datasheet rate, an upper bound: nccl-tests' all-reduce bus bandwidth reaches about 70-92% of
     NVLink's one direction from A100 to B200 (user reports: NVIDIA/nccl-tests#149, #312, NVIDIA/nccl#1807).
@@ -35,7 +43,15 @@ def link_bytes_s(profile, ranks: int) -> tuple[float | None, str]:
         network = links.get("node_network_gb_s")
         if not network:
             return None, f"no inter-node bandwidth known for {profile.id} (interconnect.node_network_gb_s)"
-        return network * 1e9 / node, f"{network:g} GB/s node network shared by {node} GPUs"
+        if ring_stride is None:
+            return network * 1e9 / node, f"{network:g} GB/s node network, one of its {node} GPUs' share"
+        nics = max(1, node // ring_stride)
+        rate = network * 1e9 / node * nics
+        nvlink = links.get("gpu_link_gb_s")
+        if nvlink and links.get("gpu_link", "").startswith("NVLink") and "bridge" not in links.get("gpu_link", ""):
+            rate = min(rate, nvlink * 1e9 / 2)  # the ring's hops inside a node run on NVLink
+        return rate, (f"{network:g} GB/s node network, the rings through {nics} of its {node} NICs "
+                      f"({rate / 1e9:,.0f} GB/s)")
     nvlink = links.get("gpu_link_gb_s")
     if nvlink and links.get("gpu_link", "").startswith("NVLink") and "bridge" not in links.get("gpu_link", ""):
         return nvlink * 1e9 / 2, f"{links.get('gpu_link', 'GPU link')} ({nvlink:g} GB/s both ways)"

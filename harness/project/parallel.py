@@ -400,7 +400,10 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
     offloaded step's host traffic; None (with a note) where a link's bandwidth is unknown."""
     profile = cell.profile.per_device()
     trace = projection.trace
-    links = {"data": link_bytes_s(profile, layout.tp * layout.dp), "tensor": link_bytes_s(profile, layout.tp),
+    links = {"data": link_bytes_s(profile, layout.tp * layout.dp, ring_stride=layout.tp),
+             # Tensor parallelism's collectives are one per layer and latency-bound across nodes (no latency
+             # term here): a group past a node keeps a GPU's own share of the network, not its NICs together.
+             "tensor": link_bytes_s(profile, layout.tp),
              "expert": link_bytes_s(profile, layout.tp * layout.ep),
              "pipeline": link_bytes_s(profile, 2 * layout.tp * layout.dp)}
     needed = {"data": bool(sent), **{kind: bool(size) for kind, size in per_micro.items()}}
