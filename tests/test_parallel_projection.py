@@ -134,6 +134,9 @@ def test_collectives_are_ring_volumes_and_cross_the_slowest_link():
     assert link_bytes_s(h100, 8, ring_stride=1)[0] == 450e9  # inside a node: NVLink, as before
     assert link_bytes_s(PROFILES["a100-sxm4-80gb"], 16, ring_stride=1)[0] == pytest.approx(200e9)
     assert link_bytes_s(PROFILES["l4"], 4)[1].startswith("PCIe Gen4 x16 through the host")
+    # H100 NVL: a bridged pair talks over its NVLink bridge (600 GB/s both ways); four GPUs cross PCIe.
+    assert link_bytes_s(PROFILES["h100-nvl"], 2)[0] == pytest.approx(300e9)
+    assert "through the host" in link_bytes_s(PROFILES["h100-nvl"], 4)[1]
     assert link_bytes_s(PROFILES["t4"], 16)[0] is None  # no node network known: no step time, said why
 
 
@@ -220,6 +223,13 @@ def test_fsdp_past_one_node_gathers_through_every_nic_of_the_node():
                            for world in (8, 16))
     assert two_nodes.speed.step_time_ms_p50 < 1.1 * one_node.speed.step_time_ms_p50
     assert any("the rings through 8 of its 8 NICs" in note for note in two_nodes.notes)
+
+
+def test_tensor_parallelism_past_a_node_is_warned_about():
+    across = _projected("tensor-parallel:t=16+amp-bf16", 16, size="gpt-7b", batch=16)
+    within = _projected("tensor-parallel:t=8+amp-bf16", 8, size="gpt-7b", batch=8)
+    assert any(note.startswith("warning: 16-way tensor parallelism spans nodes of 8 GPUs") for note in across.notes)
+    assert not any(note.startswith("warning:") for note in within.notes)
 
 
 def test_expert_parallel_ranks_hold_their_experts_and_exchange_every_moe_layers_tokens():

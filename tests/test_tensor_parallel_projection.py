@@ -4,6 +4,8 @@ Korthikanti et al.'s formulas give."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -181,3 +183,15 @@ def test_sequence_parallelism_works_through_tensor_parallelism_and_says_so_alone
     kept, sharded = (_projected(f"tensor-parallel:t=8{sp}+fsdp+amp-bf16+checkpointing", 64, size="gpt-70b", batch=8)
                      for sp in ("", "+sequence-parallel"))
     assert sharded.memory.activations < kept.memory.activations
+
+
+def test_sequence_parallel_pipeline_stages_receive_a_tensor_parallel_ranks_part_of_the_sequence():
+    # The blocks' output is sharded along the sequence: each micro-batch's buffers are 1/t of the whole, as
+    # what the stage sends is. GPT-3 175B, t=8 p=8, 32 micro-batches of 3 x 2048 tokens x 12,288 in fp32, both
+    # directions: 18,432 MiB whole, 2,304 MiB sharded.
+    stack = "tensor-parallel:t=8+{}pipeline-parallel:p=8+zero1+amp-bf16+selective-checkpointing"
+    buffers = {}
+    for sp in ("", "sequence-parallel+"):
+        notes = "; ".join(_projected(stack.format(sp), 1024, gpu="a100-sxm4-80gb", batch=1536).notes)
+        buffers[sp] = re.search(r"([\d,.]+) MiB of receive buffers", notes).group(1)
+    assert buffers == {"": "18,432.0", "sequence-parallel+": "2,304.0"}

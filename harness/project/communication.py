@@ -55,6 +55,10 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
     nvlink = links.get("gpu_link_gb_s")
     if nvlink and links.get("gpu_link", "").startswith("NVLink") and "bridge" not in links.get("gpu_link", ""):
         return nvlink * 1e9 / 2, f"{links.get('gpu_link', 'GPU link')} ({nvlink:g} GB/s both ways)"
+    if nvlink and "bridge" in links.get("gpu_link", "") and ranks <= 2:
+        # An NVLink bridge joins a pair of PCIe cards (H100 NVL, A100 PCIe): two consecutive GPUs talk over it,
+        # a group of more crosses PCIe between pairs.
+        return nvlink * 1e9 / 2, f"{links['gpu_link']} of a GPU pair ({nvlink:g} GB/s both ways)"
     host = links.get("host_link_gb_s")
     if host:
         return host * 1e9 / 2, f"{links.get('host_link', 'host link')} through the host ({host:g} GB/s both ways)"

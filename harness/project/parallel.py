@@ -32,6 +32,7 @@ from harness.cell import ResolvedCell
 from harness.ledger import unfitted_interval
 from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
 from harness.project.communication import (
+    DEFAULT_NODE_GPUS,
     SHARDED,
     collective_bytes,
     data_parallel_windows,
@@ -302,10 +303,13 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         own = tuple(round(size * mine) for size in states)
     element, stream = ACTIVATION_BYTES.get(trace.precision, 4), STREAM_BYTES.get(trace.precision, 4)
     elements = local.batch_size * (local.spec.seq_len or 0) * width
+    # What crosses a stage boundary per micro-batch: under sequence parallelism a tensor-parallel rank's part
+    # of the sequence (the blocks' output is sharded along it), else the whole.
+    stage_elements = elements // (layout.tp if layout.sequence_parallel else 1)
     # A stage receives each micro-batch's input (all but the first stage) and its output's gradient (all but
     # the last): a middle stage both, in buffers for every micro-batch.
     directions = 1 if layout.pp == 2 else 2
-    buffers = layout.micro_batches * elements * stream * directions if layout.pp > 1 else 0
+    buffers = layout.micro_batches * stage_elements * stream * directions if layout.pp > 1 else 0
     rank = rank_memory(technique, layout.dp, phase_at_peak, states, block, block_grads, in_flight, own,
                        gathered_share=1 / master, scheduled=scheduled_phases(layout), buffers=buffers,
                        root_params=root, root_grads=round(root * master * memory.grads / memory.params)
@@ -330,7 +334,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
                 if block else "")
              + f"; the rank peaks in the {rank.phase.replace('_', ' ')}"
              + _cast_cache_note(layout, trace, memory.params),
-             *memory.notes]
+             *_tensor_across_nodes(layout, cell.profile), *memory.notes]
     figures = MemoryFigures(
         peak_allocated=peak, peak_reserved=reserved, device_overhead=memory.overhead,
         library_workspaces=memory.workspaces, params=rank.params, grads=rank.grads, optimizer=rank.optimizer,
@@ -342,8 +346,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     sent = collective_bytes(technique, layout.dp, memory.params, reduced_grads, passes, root,
                             pipelined=layout.pp > 1)
     tied = _tied_bytes(model, local.workload, layout, reduced_grads / max(1, trace.param_count))
-    # Under sequence parallelism a stage sends its tensor-parallel rank's part of the sequence.
-    sent_stream = elements * stream // (layout.tp if layout.sequence_parallel else 1)
+    sent_stream = stage_elements * stream
     pipeline, tied_sent = pipeline_bytes(layout.pp, sent_stream, layout.micro_batches, tied)
     # The ends of the cut sequence on the stage costed: both without a pipeline, one on an end stage, none on a
     # middle one (the stage that sends most where pipeline_bytes chose it).
@@ -390,6 +393,16 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     return Outcome(status=status, reason=reason, precision=trace.precision, memory=figures, speed=speed, fits=fits,
                    device_name=cell.profile.name, notes=notes, comm_bytes_per_step=round(comm_bytes),
                    interval_basis=basis)
+
+
+def _tensor_across_nodes(layout: Layout, profile) -> list[str]:
+    """A warning where the tensor-parallel group is larger than a node."""
+    node = (profile.interconnect or {}).get("node_gpus") or DEFAULT_NODE_GPUS
+    if layout.tp <= node:
+        return []
+    return [f"warning: {layout.tp}-way tensor parallelism spans nodes of {node} GPUs: its collectives, several per "
+            "layer on the critical path, cross the network (their latency not modelled here); tensor-parallel groups "
+            f"of at most {node} keep them on NVLink"]
 
 
 def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float], per_micro: dict[str, float],
