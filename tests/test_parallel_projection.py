@@ -20,6 +20,7 @@ from suites.techniques import Unsupported
 from suites.workloads import WORKLOADS
 
 PROFILES = load_profiles()
+GIB = 2**30
 # One rank's unsharded figures at each phase's peak (a toy trace): 100 bytes of parameters, as many of
 # gradients, 200 of optimizer state; the optimizer step's temporaries are a parameter-sized 100. The backward
 # peaks first at the loss and head (only the root's 20 bytes of gradients made yet), then in the blocks.
@@ -209,6 +210,27 @@ def test_min_gpus_answers_the_fewest_that_hold_the_stack():
     fewer = Cell("gpt", "gpt-7b", "train", "fsdp+amp-bf16+checkpointing", "h100-sxm", row.world_size // 2,
                  source="projected", world_size=row.world_size // 2).resolve(PROFILES)
     assert project_outcome(fewer).status == "oom"
+
+
+def test_min_gpus_stops_where_the_unsharded_rest_alone_outgrows_the_gpu():
+    from harness.project.query import _cannot_fit
+    from harness.records import Record
+
+    def row(world, allocated):
+        return Record(run_id="r", workload="gpt", size="s", mode="train", technique="fsdp", gpu="h100-sxm",
+                      source="projected", status="oom", batch_size=world, world_size=world,
+                      peak_allocated_bytes=allocated * GIB, device_overhead_bytes=GIB // 2)
+
+    capacity = 80 * GIB
+    # 300 -> 200 GiB: the next doublings take at most 100 more off, so 100 GiB is the least it reaches.
+    assert "and more cannot fit" in _cannot_fit(row(2, 300), row(4, 200), capacity)
+    assert _cannot_fit(row(2, 300), row(4, 170), capacity) is None  # 130 off could reach 40 GiB: go on
+    assert _cannot_fit(None, row(1, 500), capacity) is None
+    # gpt-70b with fsdp in fp32 under autocast: the cast copies of every weight are not sharded.
+    request = ProjectRequest(gpu="h100-sxm", workload="gpt", size="gpt-70b", technique="fsdp+amp-bf16+checkpointing",
+                             min_gpus=True)
+    answer = projected_rows(request, PROFILES)[0]
+    assert answer.status == "oom" and answer.world_size < 64 and "and more cannot fit" in answer.notes
 
 
 def _projected(stack: str, world: int, size: str = "gpt3-175b", gpu: str = "h100-sxm", batch: int = 256):

@@ -161,19 +161,37 @@ def fewest_gpus(request: ProjectRequest, gpu: str, profiles) -> Record:
     """The row on the fewest GPUs on which the stack fits: data-parallel groups of 1, 2, 4, ... (up to
     MAX_GPUS in all) of the tensor- and pipeline-parallel degrees given, each at the size's batch per group
     unless --batch-size fixes the global one; the last row tried if none fits."""
-    ranks, record = 1, None
+    ranks, record, hopeless = 1, None, None
     while ranks * (request.tp or 1) * (request.pp or 1) <= MAX_GPUS:
         cell = _resolve(dataclasses.replace(request, gpu=gpu, dp=ranks, min_gpus=False), profiles)
-        record = to_record(cell, project_outcome(cell), PROJECT_RUN_ID)
+        previous, record = record, to_record(cell, project_outcome(cell), PROJECT_RUN_ID)
         if record.status != "oom":
+            break
+        hopeless = _cannot_fit(previous, record, cell.profile.per_device().capacity_bytes)
+        if hopeless:
             break
         ranks *= 2
     verdict = "fits" if record.status == "ok" else record.status
     found = f"--min-gpus: {verdict} on {record.world_size} GPUs"
     if record.status == "oom":
-        found += f" (still out of memory at {record.world_size}, the most tried)"
+        found += f" (still out of memory at {record.world_size}, " + (hopeless or "the most tried") + ")"
     record.notes = "; ".join(filter(None, [record.notes, found]))
     return record
+
+
+def _cannot_fit(before: Record | None, now: Record, capacity: int | None) -> str | None:
+    """Why no larger data-parallel degree can fit, or None. Doubling the ranks halves each one's share of
+    the sharded states, so the next doublings together take off at most what the last one did; a rank still
+    short by more than that never fits (what is left is not sharded: activations, buffers, cast copies)."""
+    if before is None or not capacity or before.peak_allocated_bytes is None or now.peak_allocated_bytes is None:
+        return None
+    drop = before.peak_allocated_bytes - now.peak_allocated_bytes
+    short = now.peak_allocated_bytes + (now.device_overhead_bytes or 0) - capacity
+    if short <= max(drop, 0):
+        return None
+    return (f"and more cannot fit: doubling to {now.world_size} took {max(drop, 0) / 2**30:,.1f} GiB off each rank's "
+            f"peak allocated, further doublings at most as much again, and it is {short / 2**30:,.1f} GiB short; the "
+            "rest is not sharded (activations, buffers, cast copies)")
 
 
 def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool = False) -> Record:
