@@ -158,6 +158,7 @@ def cost_rows(frame: pd.DataFrame, prices: dict[str, Price]) -> pd.DataFrame:
     frame["usd_per_hour"] = [prices[g].per_device if g in prices else None for g in frame["gpu"]]
     frame["price_label"] = [prices[g].label if g in prices else "no price known" for g in frame["gpu"]]
     frame["price_source"] = [prices[g].source if g in prices else None for g in frame["gpu"]]
+    frame["price_date"] = [prices[g].date if g in prices else None for g in frame["gpu"]]
     return frame
 
 

@@ -47,8 +47,14 @@ def candidates(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
 
 
 def _pick(rows: pd.DataFrame, by: str, ascending: bool):
+    """The best row by `by`, among those that fit at the high end of their memory interval where any does
+    (a pick the report must flag "may not fit" is offered only where no sure one exists)."""
     ranked = rows.dropna(subset=[by]).sort_values([by, "throughput_samples_s"], ascending=[ascending, False],
                                                  kind="stable")
+    if "memory_left_worst_bytes" in ranked:
+        worst = pd.to_numeric(ranked["memory_left_worst_bytes"], errors="coerce")
+        sure = ranked[worst.isna() | (worst >= 0)]
+        ranked = sure if len(sure) else ranked
     return None if ranked.empty else ranked.iloc[0]
 
 
@@ -106,10 +112,23 @@ def describe(row, language: bool, ties: int = 0) -> dict:
     return {
         "gpu": gpus, "stack": str(row["technique"]), "source": str(row["source"]),
         "batch": fmt.text(row["batch_size"]), "speed": speed, "cost": cost,
-        "price": str(row.get("price_label")) if not fmt.missing(usd) else "",
+        "price": (str(row.get("price_label")) + _stale(row.get("price_date"))) if not fmt.missing(usd) else "",
         "left": _left(row),
         "ties": f"{ties} other{'s' if ties != 1 else ''} within its range" if ties else "",
     }
+
+
+def _stale(day) -> str:
+    """`; 2.6 years old: re-check` for a price past harness/prices.STALE_AFTER_DAYS, else nothing."""
+    from datetime import date
+
+    from harness.gpu_profile import price_day
+    from harness.prices import STALE_AFTER_DAYS
+
+    when = price_day(day) if isinstance(day, str) else None
+    if when is None or (date.today() - when).days <= STALE_AFTER_DAYS:
+        return ""
+    return f"; {(date.today() - when).days / 365.25:.1f} years old: re-check"
 
 
 def _left(row) -> str:
@@ -143,11 +162,14 @@ def answers(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
                f"--gpu GPU tries more stacks; headroom project ... --min-gpus counts the GPUs it takes"
                if not len(fitting) else "no GPU it fits on has a price")
         tried = group[group["gpu"].isin(capacities)]
+        # GPUs it fits on that no pick can weigh (no price): named, so their absence is not read as a verdict.
+        unpriced = sorted(set(fitting["gpu"][pd.to_numeric(fitting["usd_per_hour"], errors="coerce").isna()])) \
+            if len(fitting) and "usd_per_hour" in fitting else []
         result.append({
             "workload": str(workload), "size": str(size), "mode": str(mode),
             "picks": {name: describe(row, language, _ties(fitting, row, per[name]) if per[name] else 0)
                       if row is not None else None for name, row in picks.items()},
-            "why": why, "fitting": len(fitting), "tried": len(tried),
+            "why": why, "fitting": len(fitting), "tried": len(tried), "unpriced": unpriced,
             "params": pd.to_numeric(group["param_count"], errors="coerce").max() if "param_count" in group else None,
         })
     # Smallest model first within each workload (as the fit matrix orders them), workloads as they came.

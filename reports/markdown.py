@@ -94,9 +94,14 @@ def answer_markdown(frame: pd.DataFrame, profiles: dict | None, prices: dict | N
             return why
         price = f" ({value['price']})" if value["price"] else ""
         ties = f"; tie: {value['ties']}" if value["ties"] else ""
-        return f"{value['gpu']} · {value['stack']} ({value['source']}): {value['speed']}; {value['cost']}{price}{ties}"
+        return (f"{value['gpu']} · {value['stack']} ({value['source']}): {value['speed']}; {value['cost']}{price}; "
+                f"batch {value['batch']}, {value['left']}{ties}")
 
-    rows = [[a["workload"], a["size"], a["mode"], pick(a["picks"]["value"], a["why"]),
+    def model(a) -> str:
+        unpriced = f" (also fits, no price: {', '.join(a['unpriced'])})" if a.get("unpriced") else ""
+        return a["mode"] + unpriced
+
+    rows = [[a["workload"], a["size"], model(a), pick(a["picks"]["value"], a["why"]),
              pick(a["picks"]["fastest"], a["why"])] for a in found]
     return ["### The answer: best value and fastest GPU + stack per model", "",
             "Costs at on-demand USD per GPU-hour, each price dated; ranges are projection intervals or noise.", "",

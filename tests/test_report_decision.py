@@ -71,6 +71,26 @@ def test_the_picks_are_the_cheapest_hour_the_fastest_and_the_best_value():
     assert answer["fitting"] == 5 and answer["tried"] == 7
 
 
+def test_a_sure_fit_is_picked_before_one_that_may_not_fit_and_unpriced_gpus_are_named():
+    # The a10 is cheaper by the hour but its interval reaches past its memory: the b200, sure to fit, is picked;
+    # the h200 fits with no price to rank it, and is named rather than silently left out.
+    rows = [_row(gpu="a10", throughput_samples_s=10.0, peak_reserved_high_bytes=CAPACITIES["a10"]),
+            _row(gpu="b200", throughput_samples_s=100.0, peak_reserved_high_bytes=4 * GIB),
+            _row(gpu="h200", throughput_samples_s=90.0)]
+    [answer] = answers(cost_rows(records_frame(rows), PRICES), CAPACITIES)
+    assert answer["picks"]["cheapest"]["gpu"] == "b200" and answer["unpriced"] == ["h200"]
+    # Where only an uncertain fit exists, it is still the answer, flagged.
+    [alone] = answers(cost_rows(records_frame(rows[:1]), PRICES), CAPACITIES)
+    assert alone["picks"]["cheapest"]["gpu"] == "a10" and "may not fit" in alone["picks"]["cheapest"]["left"]
+
+
+def test_a_price_over_a_year_old_is_flagged_in_its_pick():
+    stale = {"a10": Price("a10", 0.9, "2020-01", "test")}
+    [answer] = answers(cost_rows(records_frame([_row(gpu="a10", throughput_samples_s=10.0)]), stale), CAPACITIES)
+    assert answer["picks"]["cheapest"]["price"].startswith("$0.90/h, 2020-01; ")
+    assert answer["picks"]["cheapest"]["price"].endswith(" years old: re-check")
+
+
 def test_nothing_fits_is_said():
     frame = cost_rows(records_frame([_row(gpu="a10", status="oom", fits=False)]), PRICES)
     [answer] = answers(frame, CAPACITIES)
