@@ -66,8 +66,9 @@ def cmd_report(args) -> int:
     from reports.timelines import timeline_files
 
     probes, accuracy = _side_files(args.results, FRAGMENTATION_FILE), _side_files(args.results, ACCURACY_FILE)
+    cut_short = tuple(frame.attrs["cut_short"] for frame in frames if frame.attrs.get("cut_short"))
     write_report([unique], args.out, matrix, timeline_files(args.results), probes, accuracy=accuracy, prices=prices,
-                 profiles=profiles)
+                 profiles=profiles, warnings=cut_short)
     print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
     return 0
 

@@ -396,7 +396,12 @@ def read_results(path: Path) -> pd.DataFrame:
                   f"{found[0].name if found else 'any results file'} (a run still going, or cut short): read from "
                   "its cells/; rerunning that run's own headroom run command with --resume rebuilds the file",
                   file=sys.stderr)
-            return _checked(records_frame(ResultsStore(path).rows()), path / "cells")
+            frame = _checked(records_frame(ResultsStore(path).rows()), path / "cells")
+            # The report says so on its page too: a reader of the HTML never sees this warning.
+            frame.attrs["cut_short"] = (f"{path}: read from its {newer} cell files, newer than "
+                                        f"{found[0].name if found else 'any results file'}: a run still going or cut "
+                                        "short; some cells (or its accuracy stage) may be missing")
+            return frame
         if not found:
             raise ValueError(f"{path}: holds no results.parquet or results.csv (run headroom run --out {path}, "
                              "or give a results file)")

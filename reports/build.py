@@ -245,21 +245,24 @@ def environment_for_templates() -> jinja2.Environment:
 
 def render(frames: list[pd.DataFrame], matrix: pd.DataFrame | None = None, timelines: list[Path] = (),
            fragmentation: pd.DataFrame | None = None, accuracy: pd.DataFrame | None = None,
-           prices: dict | None = None, profiles: dict | None = None) -> str:
+           prices: dict | None = None, profiles: dict | None = None, warnings: tuple[str, ...] = ()) -> str:
+    """The report page; `warnings` (a run read while going or cut short) head it."""
     context = build_context(merge(frames), matrix, timelines, fragmentation, accuracy, prices, profiles)
+    context["warnings"] = list(warnings)
     return environment_for_templates().get_template("report.html.j2").render(**context)
 
 
 def write_report(frames: list[pd.DataFrame], out: Path, matrix: pd.DataFrame | None = None,
                  timelines: list[Path] = (), fragmentation: pd.DataFrame | None = None,
                  accuracy: pd.DataFrame | None = None, prices: dict | None = None,
-                 profiles: dict | None = None) -> Path:
+                 profiles: dict | None = None, warnings: tuple[str, ...] = ()) -> Path:
     """Render and write atomically; the folder must exist or be creatable."""
     from harness.records import atomic_write_text
 
     out = Path(out)
     try:
-        atomic_write_text(out, render(frames, matrix, timelines, fragmentation, accuracy, prices, profiles))
+        atomic_write_text(out, render(frames, matrix, timelines, fragmentation, accuracy, prices, profiles,
+                                      warnings))
     except OSError as exc:
         raise ValueError(f"cannot write report {out} ({exc.strerror}); choose another --out") from None
     return out

@@ -135,9 +135,18 @@ def test_a_folder_whose_cells_are_newer_than_its_frame_is_read_from_its_cells(tm
     frame_time = (tmp_path / "results.parquet").stat().st_mtime
     store.add(_record("c2", notes="n"))
     os.utime(store.cells_dir / "c2.json", (frame_time + 5, frame_time + 5))
-    assert sorted(read_results(tmp_path)["cell_id"]) == ["c1", "c2"]
+    cut_short = read_results(tmp_path)
+    assert sorted(cut_short["cell_id"]) == ["c1", "c2"]
     warning = capsys.readouterr().err
     assert "1 cell files are newer than results.parquet (a run still going, or cut short)" in warning
+    # The report's page says it too: its reader never sees the command's warning.
+    from harness.cli import main
+
+    assert "a run still going or cut short" in cut_short.attrs["cut_short"]
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "page.html")]) == 0
+    assert '<p class="banner">Warning: ' in (tmp_path / "page.html").read_text() and "cut short" in \
+        (tmp_path / "page.html").read_text()
+    capsys.readouterr()
     assert sorted(read_results(tmp_path / "results.parquet")["cell_id"]) == ["c1"]  # a file given is read as it is
     store.write_frame()  # the run finishes: its frame is newest again, and read without a word
     os.utime(tmp_path / "results.parquet", (frame_time + 10, frame_time + 10))
