@@ -96,7 +96,10 @@ def describe(row, language: bool, ties: int = 0) -> dict:
     usd = row["usd_per_million_samples"]
     # Language models read in tokens (generated tokens for a served decoder), the rest in samples.
     tokens = tokens_per_sample(row) if language else None
-    scale, unit = (tokens, "tokens") if tokens else (1.0, "samples")
+    # A served decoder is costed per generated token (its prompt's prefill in the time): said so, as a training
+    # row's tokens are every token of the sequence.
+    generated = row.get("mode") == "infer" and not fmt.missing(row.get("gen_len"))
+    scale, unit = (tokens, "generated tokens" if generated else "tokens") if tokens else (1.0, "samples")
     cost = "no price known"
     if not fmt.missing(usd):
         cost = f"{fmt.usd(float(usd) / scale)} / M {unit}"

@@ -278,6 +278,13 @@ def test_an_inference_answer_of_a_served_size_points_to_the_serving_answer():
     assert "served with 16-bit or quantised weights, see serving a decoder" in rows[("gpt", "gpt-7b")]
     assert rows[("gpt", "gpt2-1.3b")] == "train"  # a training answer, and a size the matrix does not serve
     assert 'id="serving-answer"' in page
+    # A served decoder's speed and cost count generated tokens; a training row's every token of the sequence.
+    decoding = _row(size="gpt-7b", mode="infer", technique="baseline", gen_len=128, throughput_samples_s=1.0)
+    [answer] = answers(cost_rows(records_frame([decoding]), PRICES), CAPACITIES)
+    assert answer["picks"]["fastest"]["speed"].startswith("128 generated tokens/s")
+    assert answer["picks"]["fastest"]["cost"].endswith("/ M generated tokens")
+    speed = answers(_frame(), CAPACITIES)[0]["picks"]["fastest"]["speed"]
+    assert " tokens/s" in speed and "generated" not in speed
 
 
 def test_the_strategy_table_sets_the_rows_recommendation_beside_the_guides():
