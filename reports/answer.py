@@ -111,14 +111,28 @@ def describe(row, language: bool, ties: int = 0) -> dict:
     speed = f"{fmt.rate(throughput * scale)} {unit}/s"
     if bounds:
         speed += f" ({fmt.rate(bounds[0] * scale)} - {fmt.rate(bounds[1] * scale)}, " + \
-            ("run-to-run noise" if row["source"] == "measured" else "projection interval") + ")"
+            ("run-to-run noise" if row["source"] == "measured" else "projection interval" + _pairs(row)) + ")"
     return {
         "gpu": gpus, "stack": str(row["technique"]), "source": str(row["source"]),
         "batch": fmt.text(row["batch_size"]), "speed": speed, "cost": cost,
         "price": (str(row.get("price_label")) + _stale(row.get("price_date"))) if not fmt.missing(usd) else "",
         "left": _left(row),
-        "ties": f"{ties} other{'s' if ties != 1 else ''} within its range" if ties else "",
+        "ties": (f"{ties} other{'s' if ties != 1 else ''} within its range"
+                 + (": no clear winner at this error bar (measured twins narrow it)" if ties >= CLEAR_TIES else ""))
+        if ties else "",
     }
+
+
+# From this many picks within a pick's range, the answer is a shortlist, not a winner.
+CLEAR_TIES = 5
+
+
+def _pairs(row) -> str:
+    """How many measured pairs a projected pick's interval rests on (harness/ledger.py), where known."""
+    cells = pd.to_numeric(row.get("step_time_cells"), errors="coerce")
+    if fmt.missing(cells):
+        return ""
+    return " with no measured pair of its kind" if int(cells) == 0 else f" from {int(cells)} measured pairs"
 
 
 def _stale(day) -> str:
