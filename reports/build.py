@@ -217,6 +217,7 @@ def build_context(frame: pd.DataFrame, matrix: pd.DataFrame | None = None, timel
         "fragmentation": probe,
         "quality": quality,
         "intervals": interval_summary(frame) if len(frame) else [],
+        "ledger_basis": ledger_basis(),
         **_with_serving(decision_sections(frame, profiles, prices, claims_from), serving_answers(matrix, prices)),
         "price_basis": ", ".join(sorted({price.basis for price in prices.values()})) or "on-demand",
     }
@@ -235,6 +236,33 @@ def interval_summary(frame: pd.DataFrame) -> list[dict]:
     return [{"precision": fmt.text(precision), "projected rows": str(len(group)),
              "median interval": f"{fmt.percent(group['low'].median())} to +{fmt.percent(group['high'].median())}"}
             for precision, group in rows.groupby("precision", sort=True)]
+
+
+def ledger_basis() -> str:
+    """What the shipped ledger and speed fit rest on, in a sentence: how many pairs, on which GPUs and
+    precisions, and the fit's held-out error, so a reader weighs every interval by its evidence."""
+    import tomllib
+
+    from harness.ledger import read_ledger
+    from harness.project.speed_constants import FIT_FILE
+
+    ledger = read_ledger()
+    if ledger.empty:
+        return "The ledger holds no measured pair yet: every interval is the wide default."
+    devices = ", ".join(f"{name} ({count})" for name, count in ledger["device_name"].value_counts().items())
+    precisions = ", ".join(f"{name} {count}" for name, count in ledger["precision"].value_counts().items())
+    text = (f"The ledger shipped with headroom holds {len(ledger)} pairs, measured on {devices}; by precision: "
+            f"{precisions}.")
+    try:
+        with open(FIT_FILE, "rb") as handle:
+            fit = tomllib.load(handle).get("fit", {})
+    except OSError:
+        fit = {}
+    if "held_out_median_abs_error" in fit:
+        text += (f" The speed model's constants were fitted on {fit.get('rows', '?')} rows (those pairs and published "
+                 f"runs): held-out median |error| {fit['held_out_median_abs_error']:.1%}, worst "
+                 f"{fit['held_out_worst_abs_error']:.1%}.")
+    return text + " GPUs and precisions outside these rest on wider intervals, and their rows say so."
 
 
 def environment_for_templates() -> jinja2.Environment:

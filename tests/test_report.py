@@ -417,3 +417,11 @@ def test_rates_keep_no_more_figures_than_a_projection_has():
     from reports.format import rate
 
     assert [rate(v) for v in (86_730.8, 152.49, 14.34, 0.07234, None)] == ["86,731", "152", "14.3", "0.0723", EMPTY]
+
+
+def test_the_projection_section_says_what_the_ledger_and_the_speed_fit_rest_on():
+    from reports.build import ledger_basis
+
+    text = ledger_basis()
+    assert text.startswith("The ledger shipped with headroom holds 17 pairs, measured on NVIDIA H200 (17);")
+    assert "held-out median |error|" in text and "worst" in text
