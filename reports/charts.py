@@ -117,6 +117,9 @@ def pareto_scatter(points: list[dict], title: str, unit: str = "samples/s") -> s
               label="Pareto front")
     axis.set_xlabel("peak reserved (GiB)", fontsize=8)
     axis.set_ylabel(unit, fontsize=8)
+    # Both axes from zero: an axis starting near the slowest stack makes a 10% gap look like a factor.
+    axis.set_xlim(left=0)
+    axis.set_ylim(bottom=0)
     axis.set_title(title, fontsize=9)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=7)

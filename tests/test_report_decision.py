@@ -151,6 +151,21 @@ def test_the_pareto_chart_folds_coincident_stacks_and_reads_language_models_in_t
     assert "samples/s" in plain["pareto"]["svg"]
 
 
+def test_the_pareto_chart_starts_both_axes_at_zero(monkeypatch):
+    from reports import charts
+
+    drawn = {}
+
+    def keep(figure):
+        drawn["axis"] = figure.axes[0]
+        return "<svg/>"
+
+    monkeypatch.setattr(charts, "svg_of", keep)
+    charts.pareto_scatter([{"label": "a", "memory": 50 * GIB, "speed": 55_000.0, "front": True},
+                           {"label": "b", "memory": 60 * GIB, "speed": 60_000.0, "front": True}], "t")
+    assert drawn["axis"].get_xlim()[0] == 0 and drawn["axis"].get_ylim()[0] == 0
+
+
 def test_the_pareto_front_holds_the_stacks_no_other_beats_on_both():
     [section] = memory_sections(_frame(), CAPACITIES)
     assert "b200" in section["title"]  # the GPU that was measured
