@@ -78,18 +78,30 @@ def ledger_points(profiles) -> list[SpeedPoint]:
     for row in read_ledger().to_dict("records"):
         if str(row["step_time_noisy"]) == "True" or pd.isna(row["measured_step_ms"]):
             continue
-        served = row["mode"] == "infer" and WORKLOADS[row["workload"]].serving is not None
+        served = _served(row)
         if served and not pd.isna(row["gen_len"]):
             generations += 1  # a whole generation's time: the fit costs one step of phases, not gen_len steps
             continue
-        label = f"{row['workload']} {row['mode']} {row['technique']} b{row['batch_size']}" + (" fwd" if served else "")
-        group = f"{row['gpu']} {label} s{row['seq_len']}"
+        label, group = ledger_label(row)
         points.append(_point(label, group, row["workload"], row["size"], row["technique"], row["gpu"],
                              row["batch_size"], row["seq_len"], row["mode"], profiles, row["measured_step_ms"] / 1e3,
                              f"ledger: {row['device_name']}, torch {row['torch_version']}", one_forward=served))
     if generations:
         print(f"{generations} ledger pairs of whole generations left out of the fit: it has no decode term yet")
     return points
+
+
+def _served(row) -> bool:
+    """A served decoder's inference pair (a generation cell, or one forward where gen_len is empty)."""
+    return row["mode"] == "infer" and WORKLOADS[row["workload"]].serving is not None
+
+
+def ledger_label(row) -> tuple[str, str]:
+    """A ledger pair's label in the table and its cell's group (the held-out fit leaves a group out at once;
+    --write refreshes the pairs of each group with its held-out projection)."""
+    label = f"{row['workload']} {row['mode']} {row['technique']} b{row['batch_size']}"
+    label += " fwd" if _served(row) else ""
+    return label, f"{row['gpu']} {label} s{row['seq_len']}"
 
 
 def published_points(profiles) -> tuple[list[SpeedPoint], list[tuple[dict, SpeedPoint]]]:
@@ -216,13 +228,16 @@ def write(fitted: dict[str, float], results, overall) -> None:
     FIT_FILE.write_text(header + tomli_w.dumps(document))
     ledger = read_ledger()
     held = {r.point.group: r.projected_s for r in results}
+    refreshed = 0
     for index, row in ledger.iterrows():
-        key = f"{row['gpu']} {row['workload']} {row['mode']} {row['technique']} b{row['batch_size']} s{row['seq_len']}"
+        key = ledger_label(row)[1]
         if key in held:
             ledger.loc[index, "projected_step_ms"] = held[key] * 1e3
             ledger.loc[index, "projected_by"] = f"held-out fit {document['fit']['date']}"
+            refreshed += 1
     write_ledger(ledger, LEDGER_FILE)
-    print(f"wrote {FIT_FILE} and refreshed {LEDGER_FILE} ({len(held)} cells' held-out projections)")
+    print(f"wrote {FIT_FILE} and refreshed {refreshed} of {len(ledger)} pairs in {LEDGER_FILE} with their cells' "
+          "held-out projections")
 
 
 if __name__ == "__main__":

@@ -264,7 +264,7 @@ def _when_it_fits(request, record, profile, profiles, project, capacity) -> list
         named += 1
     if named and mine:
         lines.append(f"per sample, each GPU is compared at the largest batch it holds (here ${mine:,.2f} per million "
-                     "samples); cheaper or dearer by the hour at the on-demand prices shown")
+                     "samples); cheaper or dearer by the hour at the prices shown")
     if not lines:
         lines.append(f"no larger batch and no cheaper GPU profile with a price holds {request.technique}")
     return lines

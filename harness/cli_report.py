@@ -53,10 +53,11 @@ def cmd_report(args) -> int:
     unique = merged[~merged.astype(str).duplicated(keep="first")]
     repeated = len(merged) - len(unique)
     counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
+    cut_short = tuple(frame.attrs["cut_short"] for frame in frames if frame.attrs.get("cut_short"))
     if markdown:
         from reports.markdown import results_markdown, write_text
 
-        write_text(results_markdown(unique, profiles, prices), args.out)
+        write_text(results_markdown(unique, profiles, prices, cut_short), args.out)
         print(f"wrote {printable(str(args.out))} (Markdown) from {len(unique)} rows{counted}")
         return 0
     matrix = pd.concat(matrices, ignore_index=True).drop_duplicates(["size", "gpu", "weights"], keep="last") \
@@ -66,7 +67,6 @@ def cmd_report(args) -> int:
     from reports.timelines import timeline_files
 
     probes, accuracy = _side_files(args.results, FRAGMENTATION_FILE), _side_files(args.results, ACCURACY_FILE)
-    cut_short = tuple(frame.attrs["cut_short"] for frame in frames if frame.attrs.get("cut_short"))
     write_report([unique], args.out, matrix, timeline_files(args.results), probes, accuracy=accuracy, prices=prices,
                  profiles=profiles, warnings=cut_short)
     print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")

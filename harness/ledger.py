@@ -49,7 +49,7 @@ def pair_id(row: dict) -> str:
                                 "allocator", "device_name", "driver_version", "torch_version", "measured_step_ms",
                                 "measured_peak_reserved_bytes", "measured_at")]
     if _value(row.get("gen_len")) is not None:  # only where present: the ids of earlier pairs stay as they were
-        key.append(row["gen_len"])
+        key.append(int(row["gen_len"]))  # 128 whether a frame held it as an integer or a float
     return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]
 
 
@@ -170,7 +170,7 @@ def workload_family(workload: str) -> str:
 # gives the same, tests check it): importing scipy.stats would cost every projection half a second.
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
          12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
-CELL = ["workload", "size", "mode", "technique", "gpu", "batch_size", "seq_len"]
+CELL = ["workload", "size", "mode", "technique", "gpu", "batch_size", "seq_len", "gen_len"]
 
 
 def t_975(degrees: int) -> float:

@@ -118,34 +118,38 @@ def describe(row, language: bool, ties: int = 0) -> dict:
         "price": (str(row.get("price_label")) + _stale(row.get("price_date"))) if not fmt.missing(usd) else "",
         "left": _left(row),
         "ties": (f"{ties} other{'s' if ties != 1 else ''} within its range"
-                 + (": no clear winner at this error bar (measured twins narrow it)" if ties >= CLEAR_TIES else ""))
-        if ties else "",
+                 + (f": no clear winner at this error bar ({NARROWS[row['source'] == 'measured']})"
+                    if ties >= CLEAR_TIES else "")) if ties else "",
     }
 
 
 # From this many picks within a pick's range, the answer is a shortlist, not a winner.
 CLEAR_TIES = 5
+# What narrows a range: for a projection, measured twins; for a measurement, more repeats.
+NARROWS = {False: "measured twins narrow it", True: "more repeats narrow it"}
 
 
 def _pairs(row) -> str:
-    """How many measured pairs a projected pick's interval rests on (harness/ledger.py), where known."""
-    cells = pd.to_numeric(row.get("step_time_cells"), errors="coerce")
-    if fmt.missing(cells):
-        return ""
-    return " with no measured pair of its kind" if int(cells) == 0 else f" from {int(cells)} measured pairs"
+    """What a projected pick's interval rests on: the ledger's basis (harness/ledger.py: how many measured
+    cells, of which kind), where the row has one."""
+    basis = row.get("interval_basis")
+    step = next((part.removeprefix("step time: ") for part in str(basis).split("; ")
+                 if part.startswith("step time: ")), None) if not fmt.missing(basis) else None
+    return f": {step}" if step else ""
 
 
 def _stale(day) -> str:
-    """`; 2.6 years old: re-check` for a price past harness/prices.STALE_AFTER_DAYS, else nothing."""
+    """`; 2.6 years old: re-check, prices have moved since` for a price past harness/prices.STALE_AFTER_DAYS,
+    else nothing."""
     from datetime import date
 
     from harness.gpu_profile import price_day
-    from harness.prices import STALE_AFTER_DAYS
+    from harness.prices import Price, age_text
 
-    when = price_day(day) if isinstance(day, str) else None
-    if when is None or (date.today() - when).days <= STALE_AFTER_DAYS:
+    if price_day(day) is None:
         return ""
-    return f"; {(date.today() - when).days / 365.25:.1f} years old: re-check"
+    age, _, warning = age_text(Price("", 0.0, day, ""), date.today()).partition(": ")
+    return f"; {age} old: {warning}" if warning else ""
 
 
 def _left(row) -> str:

@@ -241,28 +241,23 @@ def interval_summary(frame: pd.DataFrame) -> list[dict]:
 def ledger_basis() -> str:
     """What the shipped ledger and speed fit rest on, in a sentence: how many pairs, on which GPUs and
     precisions, and the fit's held-out error, so a reader weighs every interval by its evidence."""
-    import tomllib
+    from harness.ledger import shipped_ledger
+    from harness.project.speed_constants import fit_provenance
 
-    from harness.ledger import read_ledger
-    from harness.project.speed_constants import FIT_FILE
-
-    ledger = read_ledger()
+    ledger = shipped_ledger()
     if ledger.empty:
         return "The ledger holds no measured pair yet: every interval is the wide default."
     devices = ", ".join(f"{name} ({count})" for name, count in ledger["device_name"].value_counts().items())
     precisions = ", ".join(f"{name} {count}" for name, count in ledger["precision"].value_counts().items())
     text = (f"The ledger shipped with headroom holds {len(ledger)} pairs, measured on {devices}; by precision: "
             f"{precisions}.")
-    try:
-        with open(FIT_FILE, "rb") as handle:
-            fit = tomllib.load(handle).get("fit", {})
-    except OSError:
-        fit = {}
+    fit = fit_provenance()
     if "held_out_median_abs_error" in fit:
         text += (f" The speed model's constants were fitted on {fit.get('rows', '?')} rows (those pairs and published "
                  f"runs): held-out median |error| {fit['held_out_median_abs_error']:.1%}, worst "
                  f"{fit['held_out_worst_abs_error']:.1%}.")
-    return text + " GPUs and precisions outside these rest on wider intervals, and their rows say so."
+    return text + (" A row of a GPU generation none of them ran on has its interval widened to the fit's held-out "
+                   "worst, and says what it rests on.")
 
 
 def environment_for_templates() -> jinja2.Environment:

@@ -37,11 +37,13 @@ def table(headers: list[str], rows: list[list[str]], right_from: int = 1, limit:
     return "\n".join(lines)
 
 
-def results_markdown(frame: pd.DataFrame, profiles: dict | None = None, prices: dict | None = None) -> str:
+def results_markdown(frame: pd.DataFrame, profiles: dict | None = None, prices: dict | None = None,
+                     warnings: tuple[str, ...] = ()) -> str:
     """A short summary of a results frame: its runs, rows by source and status, the answer (which GPU and
     stack per model, reports/answer.py), and per workload and mode the measured cells' median step time
-    and peak reserved memory."""
-    lines = ["## headroom results", ""]
+    and peak reserved memory; `warnings` (a run read while going or cut short) first."""
+    lines = ["## headroom results", ""] + [f"> **Warning:** {escape(warning)}." for warning in warnings]
+    lines += [""] if warnings else []
     runs = sorted(frame["run_id"].dropna().unique()) if len(frame) else []
     lines += [f"{len(frame)} rows from {len(runs)} run{'' if len(runs) == 1 else 's'}"
               + (": " + ", ".join(escape(run) for run in runs) if runs else "") + ".", ""]

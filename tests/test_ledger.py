@@ -56,6 +56,7 @@ def test_a_ledger_written_before_gen_len_reads_it_empty_and_keeps_its_pair_ids(t
     # An empty gen_len leaves a pair's id as it was before the column; a generation's pair is another pair.
     assert pair_id(row | {"gen_len": None}) == pair_id(row) == pair_id(row | {"gen_len": float("nan")})
     assert pair_id(row | {"gen_len": 128}) != pair_id(row)
+    assert pair_id(row | {"gen_len": 128}) == pair_id(row | {"gen_len": 128.0})
 
 
 def test_a_twin_written_without_the_noisy_flag_is_judged_from_its_recorded_spread():

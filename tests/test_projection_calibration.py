@@ -85,3 +85,12 @@ def test_generation_pairs_are_left_out_of_the_fit_and_counted(monkeypatch, capsy
     monkeypatch.setattr(calibration, "read_ledger", lambda: pd.DataFrame([row], columns=COLUMNS))
     assert calibration.ledger_points(load_profiles()) == []
     assert "1 ledger pairs of whole generations left out of the fit" in capsys.readouterr().out
+
+
+def test_write_refreshes_every_pair_by_the_group_the_fit_left_out():
+    # The refresh looks a pair up by its cell's group: a served decoder's forward pair ("... fwd") included.
+    row = {"gpu": "h200", "workload": "gpt", "mode": "infer", "technique": "baseline", "batch_size": 8,
+           "seq_len": 1024.0}
+    assert calibration.ledger_label(row) == ("gpt infer baseline b8 fwd", "h200 gpt infer baseline b8 fwd s1024.0")
+    trained = row | {"mode": "train"}
+    assert calibration.ledger_label(trained)[1] == "h200 gpt train baseline b8 s1024.0"

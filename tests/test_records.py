@@ -146,6 +146,8 @@ def test_a_folder_whose_cells_are_newer_than_its_frame_is_read_from_its_cells(tm
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "page.html")]) == 0
     assert '<p class="banner">Warning: ' in (tmp_path / "page.html").read_text() and "cut short" in \
         (tmp_path / "page.html").read_text()
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "page.md")]) == 0
+    assert "> **Warning:** " in (tmp_path / "page.md").read_text()
     capsys.readouterr()
     assert sorted(read_results(tmp_path / "results.parquet")["cell_id"]) == ["c1"]  # a file given is read as it is
     store.write_frame()  # the run finishes: its frame is newest again, and read without a word

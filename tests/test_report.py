@@ -419,9 +419,21 @@ def test_rates_keep_no_more_figures_than_a_projection_has():
     assert [rate(v) for v in (86_730.8, 152.49, 14.34, 0.07234, None)] == ["86,731", "152", "14.3", "0.0723", EMPTY]
 
 
-def test_the_projection_section_says_what_the_ledger_and_the_speed_fit_rest_on():
+def test_the_projection_section_says_what_the_ledger_and_the_speed_fit_rest_on(monkeypatch):
+    import pandas as pd
+
+    from harness import ledger
+    from harness.project import speed_constants
     from reports.build import ledger_basis
 
+    pairs = pd.DataFrame({"device_name": ["NVIDIA H200", "NVIDIA H200", "NVIDIA A10"],
+                          "precision": ["fp32", "bf16-mixed", "fp32"]})
+    monkeypatch.setattr(ledger, "shipped_ledger", lambda: pairs)
+    monkeypatch.setattr(speed_constants, "fit_provenance", lambda: {"rows": 9, "held_out_median_abs_error": 0.049,
+                                                                     "held_out_worst_abs_error": 0.775})
     text = ledger_basis()
-    assert text.startswith("The ledger shipped with headroom holds 17 pairs, measured on NVIDIA H200 (17);")
-    assert "held-out median |error|" in text and "worst" in text
+    assert text.startswith("The ledger shipped with headroom holds 3 pairs, measured on NVIDIA H200 (2), NVIDIA A10 "
+                           "(1); by precision: fp32 2, bf16-mixed 1.")
+    assert "fitted on 9 rows" in text and "held-out median |error| 4.9%, worst 77.5%" in text
+    monkeypatch.setattr(ledger, "shipped_ledger", lambda: pairs.iloc[0:0])
+    assert ledger_basis().startswith("The ledger holds no measured pair yet")

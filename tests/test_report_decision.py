@@ -86,20 +86,24 @@ def test_a_sure_fit_is_picked_before_one_that_may_not_fit_and_unpriced_gpus_are_
 
 def test_a_pick_among_many_within_its_range_says_there_is_no_clear_winner_and_what_its_range_rests_on():
     rows = [_row(gpu="a10", technique=t, throughput_samples_s=10.0 + i, step_time_ms_p50=400.0, step_time_ms_low=200.0,
-                 step_time_ms_high=800.0, step_time_cells=12)
+                 step_time_ms_high=800.0, step_time_cells=12,
+                 interval_basis="step time: 12 cells (gpt bf16-mixed on hopper); peak reserved: 14 cells (gpt)")
             for i, t in enumerate(["amp-bf16", "checkpointing", "baseline", "amp-fp16", "grad-accumulation", "lora"])]
     fastest = answers(cost_rows(records_frame(rows), PRICES), CAPACITIES)[0]["picks"]["fastest"]
     assert fastest["ties"] == "5 others within its range: no clear winner at this error bar (measured twins narrow it)"
-    assert "projection interval from 12 measured pairs)" in fastest["speed"]
+    assert "projection interval: 12 cells (gpt bf16-mixed on hopper))" in fastest["speed"]
     few = answers(cost_rows(records_frame(rows[:2]), PRICES), CAPACITIES)[0]["picks"]["fastest"]
     assert few["ties"] == "1 other within its range"
+    measured = [dict(row, source="measured", step_time_cv=0.5) for row in rows]
+    noisy = answers(cost_rows(records_frame(measured), PRICES), CAPACITIES)[0]["picks"]["fastest"]
+    assert noisy["ties"].endswith("(more repeats narrow it)")
 
 
 def test_a_price_over_a_year_old_is_flagged_in_its_pick():
     stale = {"a10": Price("a10", 0.9, "2020-01", "test")}
     [answer] = answers(cost_rows(records_frame([_row(gpu="a10", throughput_samples_s=10.0)]), stale), CAPACITIES)
     assert answer["picks"]["cheapest"]["price"].startswith("$0.90/h, 2020-01; ")
-    assert answer["picks"]["cheapest"]["price"].endswith(" years old: re-check")
+    assert answer["picks"]["cheapest"]["price"].endswith(" years old: re-check, prices have moved since")
 
 
 def test_nothing_fits_is_said():

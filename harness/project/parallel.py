@@ -402,7 +402,7 @@ def _tensor_across_nodes(layout: Layout, profile) -> list[str]:
         return []
     return [f"warning: {layout.tp}-way tensor parallelism spans nodes of {node} GPUs: its collectives, several per "
             "layer on the critical path, cross the network (their latency not modelled here); tensor-parallel groups "
-            f"of at most {node} keep them on NVLink"]
+            f"of at most {node} keep them inside a node"]
 
 
 def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float], per_micro: dict[str, float],
