@@ -39,6 +39,8 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
     benchmarks/parallel_validation.py from -7.5% / -16.8% to -16.2% / -30.1% (2026-12-04)."""
     links = profile.interconnect or {}
     node = links.get("node_gpus") or DEFAULT_NODE_GPUS
+    nvlink, gpu_link = links.get("gpu_link_gb_s"), links.get("gpu_link", "")
+    switched = bool(nvlink) and gpu_link.startswith("NVLink") and "bridge" not in gpu_link  # every GPU of a node
     if ranks > node:
         network = links.get("node_network_gb_s")
         if not network:
@@ -47,18 +49,16 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
             return network * 1e9 / node, f"{network:g} GB/s node network, one of its {node} GPUs' share"
         nics = max(1, node // ring_stride)
         rate = network * 1e9 / node * nics
-        nvlink = links.get("gpu_link_gb_s")
-        if nvlink and links.get("gpu_link", "").startswith("NVLink") and "bridge" not in links.get("gpu_link", ""):
+        if switched:
             rate = min(rate, nvlink * 1e9 / 2)  # the ring's hops inside a node run on NVLink
         return rate, (f"{network:g} GB/s node network, the rings through {nics} of its {node} NICs "
                       f"({rate / 1e9:,.0f} GB/s)")
-    nvlink = links.get("gpu_link_gb_s")
-    if nvlink and links.get("gpu_link", "").startswith("NVLink") and "bridge" not in links.get("gpu_link", ""):
-        return nvlink * 1e9 / 2, f"{links.get('gpu_link', 'GPU link')} ({nvlink:g} GB/s both ways)"
-    if nvlink and "bridge" in links.get("gpu_link", "") and ranks <= 2:
+    if switched:
+        return nvlink * 1e9 / 2, f"{gpu_link} ({nvlink:g} GB/s both ways)"
+    if nvlink and "bridge" in gpu_link and ranks <= 2:
         # An NVLink bridge joins a pair of PCIe cards (H100 NVL, A100 PCIe): two consecutive GPUs talk over it,
         # a group of more crosses PCIe between pairs.
-        return nvlink * 1e9 / 2, f"{links['gpu_link']} of a GPU pair ({nvlink:g} GB/s both ways)"
+        return nvlink * 1e9 / 2, f"{gpu_link} of a GPU pair ({nvlink:g} GB/s both ways)"
     host = links.get("host_link_gb_s")
     if host:
         return host * 1e9 / 2, f"{links.get('host_link', 'host link')} through the host ({host:g} GB/s both ways)"
