@@ -28,6 +28,17 @@ def candidates(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
     rows = rows[rows["status"] == "ok"]
     rows = rows[pd.to_numeric(rows["throughput_samples_s"], errors="coerce").fillna(0) > 0]
     rows = (rows[~rows["fits"].eq(False).fillna(False)] if "fits" in rows else rows).copy()
+    rows["throughput_low"], rows["throughput_high"] = throughput_bounds(rows)
+    rows["memory_left_bytes"] = [row_memory_left(row, capacities[row["gpu"]]) for _, row in rows.iterrows()]
+    rows["memory_left_worst_bytes"] = [row_memory_left_worst(row, capacities[row["gpu"]])
+                                       if row["source"] == "projected" else None for _, row in rows.iterrows()]
+    rows["devices"] = pd.to_numeric(rows["world_size"], errors="coerce").fillna(1).astype(float)
+    return rows
+
+
+def throughput_bounds(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Each row's throughput range (samples/s): a projected row's from its step-time interval, a measured
+    one's from its step-to-step noise (coefficient of variation); NaN where the row has neither."""
     throughput = pd.to_numeric(rows["throughput_samples_s"], errors="coerce").astype(float)
     p50 = pd.to_numeric(rows["step_time_ms_p50"], errors="coerce").astype(float)
     low = pd.to_numeric(rows.get("step_time_ms_low"), errors="coerce").astype(float)
@@ -37,13 +48,8 @@ def candidates(frame: pd.DataFrame, capacities: dict[str, int]) -> pd.DataFrame:
     # Samples per step are fixed, so throughput scales with 1 / step time: the slow end of the step
     # interval is the low end of the throughput's.
     # Noise past 100% would make the slow end zero or negative: no lower bound then.
-    rows["throughput_low"] = (throughput * p50 / high).where(~measured_rows, throughput * (1 - cv).where(cv < 1))
-    rows["throughput_high"] = (throughput * p50 / low).where(~measured_rows, throughput * (1 + cv))
-    rows["memory_left_bytes"] = [row_memory_left(row, capacities[row["gpu"]]) for _, row in rows.iterrows()]
-    rows["memory_left_worst_bytes"] = [row_memory_left_worst(row, capacities[row["gpu"]])
-                                       if row["source"] == "projected" else None for _, row in rows.iterrows()]
-    rows["devices"] = pd.to_numeric(rows["world_size"], errors="coerce").fillna(1).astype(float)
-    return rows
+    return ((throughput * p50 / high).where(~measured_rows, throughput * (1 - cv).where(cv < 1)),
+            (throughput * p50 / low).where(~measured_rows, throughput * (1 + cv)))
 
 
 def _pick(rows: pd.DataFrame, by: str, ascending: bool):

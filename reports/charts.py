@@ -104,18 +104,26 @@ def memory_bars(stacks: list[str], parts: dict[str, list[float]], title: str) ->
 
 def pareto_scatter(points: list[dict], title: str, unit: str = "samples/s") -> str:
     """Peak memory against throughput (in `unit`), one labelled point per stack, the Pareto front (no other
-    stack both smaller and faster) joined by a line. `points`: label, memory (bytes), speed, front (bool).
+    stack both smaller and faster) joined by a line. `points`: label, memory (bytes), speed, front (bool),
+    and optionally memory_low/_high and speed_low/_high, drawn as error bars.
     Stacks within 1% of each other on both axes share one point and one label, which would overprint."""
     figure, axis = plt.subplots(figsize=(7.5, 4.2))
+    ranged = False
     for point in _merged(points):
-        axis.scatter(point["memory"] / GIB, point["speed"], s=28,
-                     color="#c44e52" if point["front"] else "#999999", zorder=3)
+        colour = "#c44e52" if point["front"] else "#999999"
+        axis.scatter(point["memory"] / GIB, point["speed"], s=28, color=colour, zorder=3)
+        xerr, yerr = _bar(point, "memory", scale=GIB), _bar(point, "speed")
+        if xerr is not None or yerr is not None:
+            ranged = True
+            axis.errorbar(point["memory"] / GIB, point["speed"], xerr=xerr, yerr=yerr, fmt="none", ecolor=colour,
+                          elinewidth=0.8, alpha=0.6, zorder=2)
         axis.annotate(point["label"], (point["memory"] / GIB, point["speed"]), fontsize=7,
                       xytext=(4, 3), textcoords="offset points")
     front = sorted((p for p in points if p["front"]), key=lambda p: p["memory"])
     axis.plot([p["memory"] / GIB for p in front], [p["speed"] for p in front], color="#c44e52", lw=1,
               label="Pareto front")
-    axis.set_xlabel("peak reserved (GiB)", fontsize=8)
+    axis.set_xlabel("peak reserved (GiB)" + ("; bars: projection interval or measured noise" if ranged else ""),
+                    fontsize=8)
     axis.set_ylabel(unit, fontsize=8)
     # Both axes from zero: an axis starting near the slowest stack makes a 10% gap look like a factor.
     axis.set_xlim(left=0)
@@ -125,6 +133,17 @@ def pareto_scatter(points: list[dict], title: str, unit: str = "samples/s") -> s
     axis.legend(fontsize=7)
     figure.tight_layout()
     return svg_of(figure)
+
+
+def _bar(point: dict, axis_name: str, scale: float = 1.0) -> list[list[float]] | None:
+    """Matplotlib's asymmetric error (below, above) for one axis of a point from its `<axis>_low`/`_high`,
+    None where the point has no range on that axis."""
+    low, high = point.get(f"{axis_name}_low"), point.get(f"{axis_name}_high")
+    if low is None or high is None:
+        return None
+    value = point[axis_name]
+    # A range that does not hold its own point (a rounding edge) draws no negative bar.
+    return [[max(value - low, 0.0) / scale], [max(high - value, 0.0) / scale]]
 
 
 def _merged(points: list[dict]) -> list[dict]:

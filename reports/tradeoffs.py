@@ -12,6 +12,7 @@ import pandas as pd
 from harness.advise import row_memory_left, row_memory_left_worst
 from reports import charts
 from reports import format as fmt
+from reports.answer import throughput_bounds
 from reports.cells import gpu_cells
 
 # The memory categories of a row, in the order a step builds them up; allocator overhead is what the
@@ -116,8 +117,8 @@ def memory_sections(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dic
         if len(speed) >= 2:
             points = [{"label": str(r["technique"]), "memory": r["memory"], "speed": r["speed"],
                        "front": not ((speed["memory"] <= r["memory"]) & (speed["speed"] >= r["speed"])
-                                     & ((speed["memory"] < r["memory"]) | (speed["speed"] > r["speed"]))).any()}
-                      for _, r in speed.iterrows()]
+                                     & ((speed["memory"] < r["memory"]) | (speed["speed"] > r["speed"]))).any(),
+                       **bounds} for (_, r), bounds in zip(speed.iterrows(), _ranges(speed), strict=True)]
             ptitle = f"{workload} {size} {mode} on {gpu} ({source}): speed against memory"
             section["pareto"] = {"name": f"pareto-{workload}-{mode}", "title": ptitle,
                                  "svg": charts.pareto_scatter(points, ptitle, unit),
@@ -125,3 +126,22 @@ def memory_sections(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dic
                                                     if p["front"])}
         sections.append(section)
     return sections
+
+
+def _ranges(speed: pd.DataFrame) -> list[dict]:
+    """Each stack's error bars for the Pareto chart: speed from its throughput range (projection interval or
+    measured noise, in the chart's unit), memory from a projection's peak-reserved interval (a measured
+    peak is one reading); None where a row has no range."""
+    low, high = throughput_bounds(speed)
+    # The chart may read in tokens/s: the range scales with the point, samples per token being fixed.
+    scale = speed["speed"] / pd.to_numeric(speed["throughput_samples_s"], errors="coerce").astype(float)
+    projected = speed["source"] == "projected"
+    memory_low = pd.to_numeric(speed.get("peak_reserved_low_bytes"), errors="coerce").astype(float).where(projected)
+    memory_high = pd.to_numeric(speed.get("peak_reserved_high_bytes"), errors="coerce").astype(float).where(projected)
+    return [{"speed_low": _number(a * k), "speed_high": _number(b * k), "memory_low": _number(c),
+             "memory_high": _number(d)}
+            for a, b, k, c, d in zip(low, high, scale, memory_low, memory_high, strict=True)]
+
+
+def _number(value) -> float | None:
+    return None if fmt.missing(value) else float(value)

@@ -431,3 +431,28 @@ def test_c16_rules_out_80_percent_only_where_enough_cells_do():
     # 0 of 10 cells made to fit by mixed precision or sharing alone: 80% lies outside the interval.
     assert _claims(*rows)["C16"]["verdict"].startswith("contradicted: 0% of 10 cells (95% interval 0%-31%), not 80%")
     assert _claims(*rows[:2])["C16"]["verdict"].startswith("inconclusive: 0% of 1 cells")
+
+
+def test_the_pareto_chart_draws_each_stacks_range(monkeypatch):
+    from reports import charts, tradeoffs
+
+    given, draw = {}, charts.pareto_scatter
+    monkeypatch.setattr(tradeoffs.charts, "pareto_scatter", lambda points, *a: given.setdefault("points", points))
+    frame = _frame()
+    checkpointing = (frame["gpu"] == "b200") & (frame["technique"] == "checkpointing")
+    frame.loc[checkpointing, ["step_time_ms_low", "step_time_ms_high"]] = [25.0, 100.0]
+    frame.loc[checkpointing, ["peak_reserved_low_bytes", "peak_reserved_high_bytes"]] = [1.5 * GIB, 3 * GIB]
+    memory_sections(frame, CAPACITIES)
+    points = {p["label"]: p for p in given["points"]}
+    # Projected: 80/s at 50 ms spans 40/s (100 ms) to 160/s (25 ms), and its peak-reserved interval.
+    assert points["checkpointing"]["speed_low"] == pytest.approx(40.0)
+    assert points["checkpointing"]["speed_high"] == pytest.approx(160.0)
+    assert points["checkpointing"]["memory_low"] == 1.5 * GIB and points["checkpointing"]["memory_high"] == 3 * GIB
+    # Measured: 5% noise on 100/s; a measured peak is one reading, so no memory bar.
+    assert points["baseline"]["speed_low"] == pytest.approx(95.0) and points["baseline"]["memory_low"] is None
+    assert points["grad-accumulation"]["speed_low"] is None  # no interval: no bar
+    drawn = {}
+    monkeypatch.setattr(charts, "svg_of", lambda figure: drawn.setdefault("axis", figure.axes[0]) and "<svg/>")
+    draw(given["points"], "t")
+    assert len(drawn["axis"].containers) == 2  # one error bar each for the two ranged stacks
+    assert "measured noise" in drawn["axis"].get_xlabel()
