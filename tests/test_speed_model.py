@@ -208,6 +208,17 @@ def test_an_op_that_takes_only_a_tensors_shape_reads_none_of_its_data():
     assert sorted(shape.bytes for shape in costs.ops) == [32.0, 4 * 2**20]
 
 
+def test_matmul_reshaping_its_result_moves_no_bytes():
+    from harness.project.op_costs import _OpCostMode
+
+    x, weight = torch.randn(4, 256, 512), torch.randn(1024, 512)
+    with _OpCostMode() as costs:
+        torch.nn.functional.linear(x, weight)  # no bias: mm on [1024, 512], then _unsafe_view to [4, 256, 1024]
+    # One kernel, the GEMM: its operands and result; the reshape returns the same storage.
+    assert sum(costs.ops.values()) == 1
+    assert sum(shape.bytes for shape in costs.ops) == 4 * (x.numel() + weight.numel() + 4 * 256 * 1024)
+
+
 def test_a_decoded_tokens_time_is_near_what_reading_its_experts_weights_takes():
     # Mixtral at one sequence: a decode step reads the 2 of 8 experts each layer picks, not all 8 (a
     # `weight.new_empty` beside each expert matmul was once charged with every expert's bytes: 2.3x slower).

@@ -70,7 +70,10 @@ def op_class(name: str) -> str:
     return "memory"
 
 
-_NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+# `_unsafe_view` is a view that autograd does not track as one (matmul reshapes its mm's result with it: a
+# PEFT adapter's or a bias-free Linear's 3-D output): its schema has no alias annotation, so `is_view` is
+# False, but it returns the same storage, with no kernel (aten/src/ATen/native/TensorShape.cpp).
+_NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten._unsafe_view.default}
 # Ops that take only another tensor's shape, dtype and device from it, never its data: an allocation reads
 # and launches nothing; a fill writes its output only. (Costed as reading their input, a MoE layer's
 # `weight.new_empty(0)` read every expert's weights at each decoded token.)
