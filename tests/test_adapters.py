@@ -68,6 +68,10 @@ def test_qlora_base_weights_take_a_quarter_of_bf16_plus_their_scales():
         # torchao keeps on a 512-byte storage).
         assert n // 2 + n // 64 <= storage_bytes([base.weight]) <= n // 2 + n // 64 + 1024
         assert not base.weight.requires_grad
+    # QLoRA stores the whole frozen base in 4 bits, whichever layers carry adapters.
+    qkv_only, _ = _run("qlora:targets=qkv")
+    assert sum(isinstance(m, NF4Linear) for m in qkv_only.model.modules()) == 8
+    assert {name.split(".")[3] for name, p in qkv_only.model.named_parameters() if p.requires_grad} == {"qkv"}
 
 
 @pytest.mark.parametrize("stack, workload", [("lora", "gpt"), ("qlora", "gpt"), ("lora", "bert"),

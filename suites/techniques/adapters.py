@@ -205,22 +205,29 @@ def scaler_block(numel: int) -> int | None:
 
 
 def quantise_to_nf4(run: Run, layers: list[str]) -> tuple[int, list[str]]:
-    """Give the adapted `layers` an NF4Linear base (weights through bf16, as QLoRA loads them); returns
-    how many were quantised and the names left in their dtype because NF4's blocks cannot tile them.
-    Done after PEFT wrapped them: PEFT moves new adapters to the base weight's dtype with `Module.to`,
-    which fake tensors (the projection's trace) cannot swap, and keeps them in the model's float dtype."""
+    """Give the blocks' Linear `layers` NF4 weights (through bf16, as QLoRA loads them): an adapted layer's
+    base becomes an NF4Linear, a layer without adapters is replaced by one (QLoRA stores the whole frozen
+    base in 4 bits, whichever layers carry adapters). Returns how many were quantised and the names left in
+    their dtype because NF4's blocks cannot tile them. Done after PEFT wrapped them: PEFT moves new
+    adapters to the base weight's dtype with `Module.to`, which fake tensors (the projection's trace)
+    cannot swap, and keeps them in the model's float dtype."""
     from torchao.quantization import to_nf4
 
     quantised, kept = 0, []
     for name in layers:
-        adapted = run.model.get_submodule(name)
-        linear = adapted.base_layer
+        module = run.model.get_submodule(name)
+        adapted = hasattr(module, "base_layer")  # PEFT's wrapper around the layer
+        linear = module.base_layer if adapted else module
         scales = scaler_block(linear.weight.numel())
         if scales is None:
             kept.append(name)
             continue
-        weight = to_nf4(linear.weight.detach().to(torch.bfloat16).contiguous(), NF4_BLOCK, scales)
-        adapted.base_layer = NF4Linear(linear, weight)
+        nf4 = NF4Linear(linear, to_nf4(linear.weight.detach().to(torch.bfloat16).contiguous(), NF4_BLOCK, scales))
+        if adapted:
+            module.base_layer = nf4
+        else:
+            parent, _, child = name.rpartition(".")
+            setattr(run.model.get_submodule(parent), child, nf4)
         quantised += 1
     return quantised, kept
 
@@ -235,14 +242,16 @@ def _needs_nf4(profile, workload, mode: str) -> str | None:
 
 
 def _apply_qlora(run: Run, rank: int, alpha: float, targets: tuple[str, ...]) -> None:
-    layers = adapted_layers(run, (nn.Linear,), targets, "Linear layer (NF4 base weights are for Linear layers)")
+    what = "Linear layer (NF4 base weights are for Linear layers)"
+    base = adapted_layers(run, (nn.Linear,), (), what)  # every block Linear: the frozen base, all in NF4
+    layers = adapted_layers(run, (nn.Linear,), targets, what)
     trainable = _inject(run, "qlora", layers, rank, alpha)
-    quantised, kept = quantise_to_nf4(run, layers)
+    quantised, kept = quantise_to_nf4(run, base)
     if not quantised:
-        raise Unsupported(f"qlora: none of the {len(layers)} adapted layers tiles into NF4's 64-weight blocks")
+        raise Unsupported(f"qlora: none of the blocks' {len(base)} Linear layers tiles into NF4's 64-weight blocks")
     run.notes.append(f"qlora r={rank} alpha={alpha:g}: {quantised} base layers in NF4"
                      + (f" ({len(kept)} too small for NF4's blocks kept as they were)" if kept else "")
-                     + f", {trainable:,} adapter parameters trainable")
+                     + f", adapters on {len(layers)} of them, {trainable:,} adapter parameters trainable")
 
 
 def _technique(id_: str, summary: str, check, apply, options: dict | None = None) -> Technique:
