@@ -14,7 +14,7 @@ from harness.measure import local
 from harness.measure.local import MeasureSettings, measure
 from harness.outcome import to_record
 from harness.profiles import load_profiles
-from harness.project import project
+from harness.project import project, project_outcome
 from harness.project.roofline import PHASES, estimate
 from suites.step import Step
 from tests.smoke_steps import smoke_losses
@@ -76,6 +76,10 @@ def test_a_compiled_training_step_projects_fused_elementwise_ops_and_an_eager_op
     assert model[1].launch_s < model[0].launch_s and model[1].issue_s < model[0].issue_s / 2
     assert model[1].memory_s < model[0].memory_s and model[1].compute_s == pytest.approx(model[0].compute_s)
     assert model[1].step_s < model[0].step_s
+    # Memory is the eager trace's, and the row says so (compile cannot run on fake tensors).
+    notes = project_outcome(Cell("gpt", "gpt2-124m", "train", "amp-bf16+compile", "h100-sxm", 8,
+                                 source="projected").resolve(PROFILES)).notes
+    assert any(n.startswith("memory as the eager step's") and "upper bound" in n for n in notes)
 
 
 def test_a_fused_chain_reads_its_input_once_and_stores_only_what_a_matmul_needs():

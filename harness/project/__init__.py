@@ -125,13 +125,20 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         breakdown = where_the_step_goes(step)
         if breakdown:
             memory.notes.append(breakdown)
+    train = cell.mode == "train"
+    if projection.trace.compiled:
+        # torch.compile cannot run on the trace's fake tensors (harness/project/trace.py): the step is traced
+        # eagerly, and only the speed model sees the compiled kernels.
+        memory.notes.append("memory as the eager step's (the trace cannot run torch.compile)"
+                            + (": usually an upper bound, as AOTAutograd's partitioner recomputes cheap elementwise"
+                               " ops in the backward rather than saving their outputs" if train else "")
+                            + "; compile time not projected (warmup_s empty)")
     reserved = memory.chosen_reserved
     reserved_bar = None
     if reserved:
         reserved_bar = interval(reserved, measured_column="measured_peak_reserved_bytes",
                                 projected_column="projected_peak_reserved_bytes", **kind)
         basis.append(f"peak reserved: {reserved_bar.basis}")
-    train = cell.mode == "train"
     figures = MemoryFigures(
         peak_allocated=memory.peak_allocated, peak_reserved=memory.chosen_reserved,
         reserved_expandable=memory.reserved.get("expandable_segments"),
