@@ -219,6 +219,20 @@ def test_matmul_reshaping_its_result_moves_no_bytes():
     assert sum(shape.bytes for shape in costs.ops) == 4 * (x.numel() + weight.numel() + 4 * 256 * 1024)
 
 
+def test_a_gemm_is_unaligned_by_its_leading_dimensions_not_by_its_count_of_rows():
+    from harness.project.op_costs import _OpCostMode
+
+    def aligned(rows: int, out: int) -> bool:
+        x, weight = torch.randn(rows, 64, dtype=torch.bfloat16), torch.randn(out, 64, dtype=torch.bfloat16)
+        with _OpCostMode() as costs:
+            y = torch.nn.functional.linear(x, weight)  # forward: x @ weight.T
+            y.t() @ x  # a weight gradient: the rows are the reduction, read through a transposed view
+        return all(shape.aligned for shape in costs.ops)
+
+    assert aligned(512, 128) and aligned(511, 128)  # a 511-token prompt wastes part of a tile, no more
+    assert not aligned(512, 50257)  # GPT-2's head: its output's rows are 50,257 elements apart
+
+
 def test_a_decoded_tokens_time_is_near_what_reading_its_experts_weights_takes():
     # Mixtral at one sequence: a decode step reads the 2 of 8 experts each layer picks, not all 8 (a
     # `weight.new_empty` beside each expert matmul was once charged with every expert's bytes: 2.3x slower).

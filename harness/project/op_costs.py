@@ -104,15 +104,32 @@ def _issuer(phase: str) -> str:
     return "engine" if phase == "backward" and not torch.is_grad_enabled() else "python"
 
 
-def _aligned(name: str, args, dtype: str) -> bool:
-    """Whether a matmul's operands have every dimension a multiple of the tensor-core granule."""
+def _aligned(name: str, args, outputs, dtype: str) -> bool:
+    """Whether a matmul's operands and result have their leading dimensions (the row stride of each matrix,
+    as cuBLAS reads it) a multiple of the tensor-core granule. Since cuBLAS 11 tensor cores run any shape;
+    what costs is a leading dimension off 16 bytes, which rules out vectorised loads (NVIDIA's Matrix
+    Multiplication Background guide; GPT-2's 50,257-token head is the known case). A count of rows (the
+    batch's tokens) is no leading dimension: an odd one wastes part of one tile, so a 511-token prompt is
+    not costed as an unaligned GEMM."""
     if op_class(name) != "matmul" or dtype not in ("bfloat16", "float16", "int8", "float8_e4m3fn", "float8_e5m2"):
         return True
     granule = 16 if dtype in ("int8", "float8_e4m3fn", "float8_e5m2") else 8
     if name == "headroom.routed_expert_mm":  # its GEMMs are each expert's tokens by [in, out] (x's k is not one)
         return all(int(d) % granule == 0 for d in (args[0].shape[-1], *args[2].shape[-2:]))
-    dims = [d for t in args if isinstance(t, torch.Tensor) and t.dim() >= 2 for d in t.shape[-2:]]
-    return all(int(d) % granule == 0 for d in dims)
+    if name == "headroom.weight_only_linear":  # x [..., in] by a packed weight [out, ...]: in and out
+        return all(int(d) % granule == 0 for d in (args[0].shape[-1], args[1].shape[0]))
+    matrices = [t for t in (*args, *outputs) if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    return all(_leading_dimension(t) % granule == 0 for t in matrices)
+
+
+def _leading_dimension(matrix: torch.Tensor) -> int:
+    """The row stride of `matrix`'s last two dimensions as a BLAS reads it: a transposed view's is the
+    original's row length; a dimension of one (a vector) has none, so its size stands in."""
+    rows, columns = matrix.shape[-2:]
+    row_stride, column_stride = matrix.stride()[-2:]
+    if rows == 1 or columns == 1:
+        return int(max(rows, columns))
+    return int(max(row_stride, column_stride))
 
 
 def _nchw(tensors) -> list[torch.Tensor]:
@@ -236,7 +253,7 @@ class _OpCostMode(TorchDispatchMode):
         kernels = foreach_kernels(args) if multi_tensor else 1
         nchw = _nchw(inputs + outputs) if op_class(name) == "conv" else []
         shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
-                        _aligned(name, args, dtype), fusing, float(sum(nbytes(t) for t in nchw)), len(nchw))
+                        _aligned(name, args, outputs, dtype), fusing, float(sum(nbytes(t) for t in nchw)), len(nchw))
         self.ops[shape] += 1
         return out
 
