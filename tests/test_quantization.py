@@ -311,6 +311,29 @@ def test_group_quant_int4_keeps_the_true_size_where_tinygemm_would_pad():
     assert G._torchao_layer(nn.Linear(1024, 256), 4, 128, torch.device("cuda")) is not None
 
 
+def test_a_projection_traces_tinygemms_bf16_matmul_and_bytes_where_the_gpu_would_run_it():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not _torchao_available():
+        pytest.skip(f"torchao is not usable here: {G._torchao()[1]}")
+    workload = WORKLOADS["gpt"]
+
+    def traced_on(gpu: str) -> nn.Module:
+        with FakeTensorMode():  # as the projection traces: fake tensors, an fp32 model
+            run = Run(workload=workload, size=workload.sizes["smoke"], mode="infer", profile=PROFILES[gpu],
+                      model=nn.Sequential(nn.Linear(1024, 256)), batch_size=1)
+            parse_stack("group-quant-int4").apply(run)
+        return run.model[0]
+
+    ampere, turing = traced_on("a100-sxm4-80gb"), traced_on("t4")
+    # An A100 runs torchao's tinygemm: a bf16 island, a bf16 scale and zero point per group of 32.
+    assert isinstance(ampere, G.Bf16Input) and ampere.layer.scales.dtype == torch.bfloat16
+    weights = 1024 * 256
+    assert sum(b.nbytes for b in ampere.buffers()) == weights // 2 + 2 * 2 * weights // 32 + 256 * 4  # + fp32 bias
+    # A T4 (compute capability 7.5) has no tinygemm: the hand-written layer, in the model's fp32.
+    assert isinstance(turing, G.GroupQuantLinear) and turing.scales.dtype == torch.float32
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_group_quant_stores_moe_expert_matrices_per_expert_and_keeps_the_router(bits):
     # A mixture of experts keeps its experts as batched [E, in, out] matrices (suites/workloads/moe.py), 96% of

@@ -98,7 +98,8 @@ class GroupQuantLinear(nn.Module):
     runs a float matmul (one custom op: see weight_only_linear).
     """
 
-    def __init__(self, module: nn.Linear, bits: int, group_size: int):
+    def __init__(self, module: nn.Linear, bits: int, group_size: int, scale_dtype: torch.dtype | None = None,
+                 zero_points: bool = False):
         super().__init__()
         self.in_features, self.out_features = module.in_features, module.out_features
         self.bits, self.group_size = bits, group_size
@@ -106,7 +107,10 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("weight", q)
         # [out, in / group_size], in the weights' dtype: fp32 for an fp32 model, 16-bit when the model is
         # served in 16 bits (bf16-weights), as GPTQ/AWQ checkpoints store fp16 scales.
-        self.register_buffer("scales", scale.to(module.weight.dtype))
+        self.register_buffer("scales", scale.to(scale_dtype or module.weight.dtype))
+        # A projection's stand-in for tinygemm (tinygemm_stand_in) holds its zero points too (symmetric here, so
+        # all zero): the bytes torchao's layout keeps beside each scale.
+        self.register_buffer("zero_points", torch.zeros_like(self.scales) if zero_points else None)
         self.register_buffer("bias", module.bias.detach().clone() if module.bias is not None else None)
 
     @property
@@ -217,6 +221,25 @@ def _torchao_layer(module: nn.Linear, bits: int, group: int, device: torch.devic
     return wrapped
 
 
+def _tinygemm_target(run: Run, module: nn.Linear) -> bool:
+    """Whether the cell's GPU would run `module` through torchao's int4 tinygemm (_torchao_layer): an NVIDIA
+    GPU of compute capability 8.0 or newer, a layer it takes unpadded, torchao importable."""
+    capability = run.profile.compute_capability
+    if run.profile.vendor != "nvidia" or not capability or _torchao()[0] is None:
+        return False
+    major, _, minor = capability.partition(".")
+    return ((int(major), int(minor or 0)) >= (8, 0) and module.in_features % TINYGEMM_IN_MULTIPLE == 0
+            and module.out_features % TINYGEMM_OUT_MULTIPLE == 0)
+
+
+def tinygemm_stand_in(module: nn.Linear, group: int) -> nn.Module:
+    """What a projection traces for a layer a GPU runs through tinygemm (fake tensors cannot run torchao's
+    packing): the same int4 weight in the hand-written layout, with a bf16 scale and zero point per group
+    (torchao's scale_and_zero, 5 bits a weight at group 32) and the matmul in bf16 on a bf16 island, as
+    Bf16Input runs the real layer. Without it an fp32 model's int4 prefill was costed at the fp32 rate."""
+    return Bf16Input(GroupQuantLinear(module, 4, group, scale_dtype=torch.bfloat16, zero_points=True))
+
+
 def _group_quant(bits: int) -> Callable[[Run], None]:
     def apply(run: Run) -> None:
         device = _target_device(run)
@@ -224,7 +247,7 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
         # group where torchao does not pad (see TINYGEMM_IN_MULTIPLE): torchao's quantized weights are
         # frozen Parameters, which MemTracker cannot hook.
         traced = _traced(run)
-        paths = {"torchao": 0, "hand-written": 0}
+        paths = {"torchao": 0, "torchao (traced as its bytes and bf16 matmul)": 0, "hand-written": 0}
         groups_used: dict[int, int] = {}
         before = after = skipped = 0
         # A mixture's router stays in its dtype, as quantised Mixtral checkpoints keep it (AutoAWQ's Mixtral:
@@ -245,8 +268,12 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
             if group is None:
                 skipped += 1
                 return None
-            new = None if traced else _torchao_layer(module, bits, group, device)
-            paths["torchao" if new is not None else "hand-written"] += 1
+            if traced and bits == 4 and _tinygemm_target(run, module):
+                new = tinygemm_stand_in(module, group)
+                paths["torchao (traced as its bytes and bf16 matmul)"] += 1
+            else:
+                new = None if traced else _torchao_layer(module, bits, group, device)
+                paths["torchao" if new is not None else "hand-written"] += 1
             if new is None:
                 new = GroupQuantLinear(module, bits, group)
             groups_used[group] = groups_used.get(group, 0) + 1
