@@ -232,8 +232,13 @@ def test_max_context_is_the_longest_prompt_that_fits():
     beyond = cell.with_spec(dataclasses.replace(cell.spec, seq_len=prompt + CONTEXT_STEP))
     # The longest that fits without the allocator freeing its cache each step (as --max-batch answers).
     assert fits_at(at, steady=True) and not fits_at(beyond, steady=True)
-    # Where the model's own context fits, that is the answer.
+    # Where the model's own context fits, that is the answer, and the row says which limit bound it.
     assert max_context(_served("gpt2-124m", "bf16-weights", gen_len=24)) == 1000
+    from harness.project.query import _projected_row
+
+    limit = "the model's own limit binds"
+    assert limit in _projected_row(_served("gpt2-124m", "bf16-weights", gen_len=24), False, True).notes
+    assert limit not in _projected_row(cell, False, True).notes
 
 
 def test_the_kv_cache_is_counted_in_the_projected_memory():

@@ -16,6 +16,7 @@ from harness.project import project_outcome
 from harness.project.search import (
     MAX_BATCH_LIMIT,
     batch_step,
+    context_limit,
     largest_model,
     max_batch,
     max_context,
@@ -200,6 +201,9 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
         _needs_memory_size(cell.profile, "--max-context")
         prompt = max_context(cell)
         if prompt:
+            if prompt == context_limit(cell):
+                notes.append(f"--max-context: the model's own limit binds, not memory ({prompt + cell.spec.gen_len:,} "
+                             f"positions, {cell.spec.gen_len} of them generated)")
             cell = cell.with_spec(dataclasses.replace(cell.spec, seq_len=prompt))
         else:
             notes.append(f"--max-context: not even a 1-token prompt and {cell.spec.gen_len} generated tokens fit "

@@ -87,6 +87,13 @@ def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, s
 CONTEXT_STEP = 64
 
 
+def context_limit(cell: ResolvedCell) -> int:
+    """The longest prompt the model itself takes with the cell's generated tokens: its longest sequence
+    (positions it was built for) less `gen_len`."""
+    spec = cell.spec
+    return (cell.workload.max_seq_len(spec) or spec.seq_len + spec.gen_len) - spec.gen_len
+
+
 def max_context(cell: ResolvedCell, step: int = CONTEXT_STEP) -> int:
     """The longest prompt (a multiple of `step`, or 1..step-1 when only a short one fits) that a served
     decoder's cell fits at its batch with its `gen_len` generated tokens (without cache-freeing retries:
@@ -95,8 +102,8 @@ def max_context(cell: ResolvedCell, step: int = CONTEXT_STEP) -> int:
     it): two projections give a guess, real projections bracket and bisect from there."""
     from harness.project import project
 
-    spec, workload = cell.spec, cell.workload
-    limit = (workload.max_seq_len(spec) or spec.seq_len + spec.gen_len) - spec.gen_len
+    spec = cell.spec
+    limit = context_limit(cell)
 
     def at(prompt: int):
         return project(cell.with_spec(dataclasses.replace(spec, seq_len=prompt))).memory
