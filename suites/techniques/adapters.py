@@ -251,7 +251,9 @@ def _apply_qlora(run: Run, rank: int, alpha: float, targets: tuple[str, ...]) ->
         raise Unsupported(f"qlora: none of the blocks' {len(base)} Linear layers tiles into NF4's 64-weight blocks")
     run.notes.append(f"qlora r={rank} alpha={alpha:g}: {quantised} base layers in NF4"
                      + (f" ({len(kept)} too small for NF4's blocks kept as they were)" if kept else "")
-                     + f", adapters on {len(layers)} of them, {trainable:,} adapter parameters trainable")
+                     + f", adapters on {len(layers)} of them, {trainable:,} adapter parameters trainable; each NF4 "
+                     "weight is dequantised to 16 bits in every matmul, forward and backward (torchao's linear_nf4: "
+                     "several elementwise passes over the weight uncompiled, where bitsandbytes runs one fused kernel)")
 
 
 def _technique(id_: str, summary: str, check, apply, options: dict | None = None) -> Technique:
