@@ -8,6 +8,7 @@ by the section modules (reports/answer.py, fit.py, memory.py).
 from __future__ import annotations
 
 import io
+import math
 
 import matplotlib
 import matplotlib.ticker
@@ -139,11 +140,14 @@ def _bar(point: dict, axis_name: str, scale: float = 1.0) -> list[list[float]] |
     """Matplotlib's asymmetric error (below, above) for one axis of a point from its `<axis>_low`/`_high`,
     None where the point has no range on that axis."""
     low, high = point.get(f"{axis_name}_low"), point.get(f"{axis_name}_high")
-    if low is None or high is None:
+    if low is None and high is None:
         return None
     value = point[axis_name]
-    # A range that does not hold its own point (a rounding edge) draws no negative bar.
-    return [[max(value - low, 0.0) / scale], [max(high - value, 0.0) / scale]]
+    # A missing end (measured noise of 100% or more has no slow end) draws none; nor does an infinite one, or a
+    # range that does not hold its own point (a rounding edge).
+    below = value - low if low is not None and math.isfinite(low) else 0.0
+    above = high - value if high is not None and math.isfinite(high) else 0.0
+    return [[max(below, 0.0) / scale], [max(above, 0.0) / scale]]
 
 
 def _merged(points: list[dict]) -> list[dict]:

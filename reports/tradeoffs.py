@@ -136,8 +136,9 @@ def _ranges(speed: pd.DataFrame) -> list[dict]:
     # The chart may read in tokens/s: the range scales with the point, samples per token being fixed.
     scale = speed["speed"] / pd.to_numeric(speed["throughput_samples_s"], errors="coerce").astype(float)
     projected = speed["source"] == "projected"
-    memory_low = pd.to_numeric(speed.get("peak_reserved_low_bytes"), errors="coerce").astype(float).where(projected)
-    memory_high = pd.to_numeric(speed.get("peak_reserved_high_bytes"), errors="coerce").astype(float).where(projected)
+    memory_low, memory_high = (pd.to_numeric(speed.get(column, pd.Series(float("nan"), index=speed.index)),
+                                             errors="coerce").astype(float).where(projected)
+                               for column in ("peak_reserved_low_bytes", "peak_reserved_high_bytes"))
     return [{"speed_low": _number(a * k), "speed_high": _number(b * k), "memory_low": _number(c),
              "memory_high": _number(d)}
             for a, b, k, c, d in zip(low, high, scale, memory_low, memory_high, strict=True)]

@@ -170,3 +170,15 @@ def test_qlora_runs_under_fp16_autocast():
     assert all(math.isfinite(v) for v in losses)
     bases = [m for m in run.model.modules() if isinstance(m, NF4Linear)]
     assert bases and all(type(m.weight).__name__ == "NF4Tensor" for m in bases)  # still 4-bit after the step
+
+
+@pytest.mark.parametrize("stack", ["lora", "lora:targets=proj", "qlora:targets=proj"])
+def test_tensor_parallelism_refuses_layers_an_adapter_or_a_4_bit_base_replaced(stack):
+    from suites.techniques.tensor_parallel import tp_modules
+
+    workload = get_workload("gpt")
+    assert tp_modules(workload.build(workload.size("smoke")), workload, 2)  # plain Linear layers shard
+    run, _ = _run(stack)
+    # An adapter's wrapper (PEFT) or an NF4 weight cannot be split by ColwiseParallel / RowwiseParallel.
+    with pytest.raises(Unsupported, match="shards plain Linear layers"):
+        tp_modules(run.model, workload, 2)

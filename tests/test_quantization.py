@@ -326,10 +326,11 @@ def test_a_projection_traces_tinygemms_bf16_matmul_and_bytes_where_the_gpu_would
         return run.model[0]
 
     ampere, turing = traced_on("a100-sxm4-80gb"), traced_on("t4")
-    # An A100 runs torchao's tinygemm: a bf16 island, a bf16 scale and zero point per group of 32.
-    assert isinstance(ampere, G.Bf16Input) and ampere.layer.scales.dtype == torch.bfloat16
+    # An A100 runs torchao's tinygemm: a bf16 island, 4 bytes of scale and zero point per group of 32 (read by
+    # the matmul as the kernel reads them), a bf16 bias.
+    assert isinstance(ampere, G.Bf16Input) and ampere.layer.bias.dtype == torch.bfloat16
     weights = 1024 * 256
-    assert sum(b.nbytes for b in ampere.buffers()) == weights // 2 + 2 * 2 * weights // 32 + 256 * 4  # + fp32 bias
+    assert sum(b.nbytes for b in ampere.buffers()) == weights // 2 + 4 * weights // 32 + 256 * 2
     # A T4 (compute capability 7.5) has no tinygemm: the hand-written layer, in the model's fp32.
     assert isinstance(turing, G.GroupQuantLinear) and turing.scales.dtype == torch.float32
 

@@ -230,6 +230,7 @@ def test_a_gemm_is_unaligned_by_its_leading_dimensions_not_by_its_count_of_rows(
         return all(shape.aligned for shape in costs.ops)
 
     assert aligned(512, 128) and aligned(511, 128)  # a 511-token prompt wastes part of a tile, no more
+    assert aligned(511, 1)  # a rank-1 adapter's [511, 1] output is a vector: no leading dimension
     assert not aligned(512, 50257)  # GPT-2's head: its output's rows are 50,257 elements apart
 
 

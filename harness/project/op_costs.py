@@ -38,9 +38,10 @@ class OpShape:
 
     `issuer` is who issues it on the host, which sets its dispatch cost: `python` (a forward op
     recorded for autograd, a checkpoint's recomputation, the optimizer), `engine` (autograd's C++
-    backward) or `inference` (no autograd). `aligned`: a GEMM whose every dimension is a multiple of
-    the tensor cores' granule (8 elements of 16 bits, 16 of 8 bits); others run slower kernels
-    (NVIDIA's Matrix Multiplication Background guide; GPT-2's vocabulary of 50,257 is the known case).
+    backward) or `inference` (no autograd). `aligned`: a GEMM whose operands' and result's leading
+    dimensions are multiples of the tensor cores' granule (8 elements of 16 bits, 16 of 8 bits); others run
+    slower kernels (NVIDIA's Matrix Multiplication Background guide; GPT-2's vocabulary of 50,257 is the
+    known case; see _aligned).
 
     `nchw_bytes`, `nchw_tensors`: a convolution's 4-D operands and results not laid out channels-last,
     which a channels-innermost kernel (cuDNN's tensor-core convolutions, oneDNN) transposes around the
@@ -119,16 +120,17 @@ def _aligned(name: str, args, outputs, dtype: str) -> bool:
     if name == "headroom.weight_only_linear":  # x [..., in] by a packed weight [out, ...]: in and out
         return all(int(d) % granule == 0 for d in (args[0].shape[-1], args[1].shape[0]))
     matrices = [t for t in (*args, *outputs) if isinstance(t, torch.Tensor) and t.dim() >= 2]
-    return all(_leading_dimension(t) % granule == 0 for t in matrices)
+    return all(ld is None or ld % granule == 0 for ld in map(_leading_dimension, matrices))
 
 
-def _leading_dimension(matrix: torch.Tensor) -> int:
-    """The row stride of `matrix`'s last two dimensions as a BLAS reads it: a transposed view's is the
-    original's row length; a dimension of one (a vector) has none, so its size stands in."""
+def _leading_dimension(matrix: torch.Tensor) -> int | None:
+    """The row stride of `matrix`'s last two dimensions as a BLAS reads it (a transposed view's is the
+    original's row length); None for a vector (a dimension of one or none: a GEMV, or a rank-1 adapter's
+    output) or a broadcast (stride 0, which PyTorch copies before the GEMM), which have none to misalign."""
     rows, columns = matrix.shape[-2:]
     row_stride, column_stride = matrix.stride()[-2:]
-    if rows == 1 or columns == 1:
-        return int(max(rows, columns))
+    if rows <= 1 or columns <= 1 or not row_stride or not column_stride:
+        return None
     return int(max(row_stride, column_stride))
 
 

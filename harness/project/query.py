@@ -201,7 +201,7 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
         _needs_memory_size(cell.profile, "--max-context")
         prompt = max_context(cell)
         if prompt:
-            if prompt == context_limit(cell):
+            if prompt == context_limit(cell) and cell.workload.max_seq_len(cell.spec) is not None:
                 notes.append(f"--max-context: the model's own limit binds, not memory ({prompt + cell.spec.gen_len:,} "
                              f"positions, {cell.spec.gen_len} of them generated)")
             cell = cell.with_spec(dataclasses.replace(cell.spec, seq_len=prompt))

@@ -70,7 +70,7 @@ class OpArrays:
     kernels: np.ndarray
     phase: np.ndarray       # index into PHASES
     issuer: np.ndarray      # index into ISSUERS
-    aligned: np.ndarray     # bool: GEMM dimensions on the tensor-core granule
+    aligned: np.ndarray     # bool: GEMM leading dimensions on the tensor-core granule (op_costs._aligned)
     op_class: np.ndarray    # index into _CLASS_INDEX
     fused: np.ndarray       # bool: an elementwise op inside a compiled kernel (the trace saw the fusion)
     simt: np.ndarray        # bool: an NVIDIA GPU's CUDA cores (fp32 without TF32), not its tensor cores

@@ -27,7 +27,7 @@ class GpuConstants:
     saturation_flops_per_sm: float  # work per SM at which a GEMM/conv reaches half its achievable rate
     conv_efficiency: float       # convolutions' rate relative to the achievable matmul rate
     attention_efficiency: float  # fused attention's rate relative to the achievable matmul rate (on Ampere)
-    unaligned_efficiency: float  # a 16/8-bit GEMM with a dimension off the tensor-core granule, relative
+    unaligned_efficiency: float  # a 16/8-bit GEMM with a leading dimension off the tensor-core granule, relative
     bandwidth_efficiency: float  # achievable / datasheet bandwidth where no measured figure exists
     matmul_derating: float       # achievable / datasheet matmul rate where no measured figure exists
     # achievable / datasheet bandwidth of the long sequential reads of a served decoder's matmuls (weights)

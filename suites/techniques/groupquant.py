@@ -98,8 +98,7 @@ class GroupQuantLinear(nn.Module):
     runs a float matmul (one custom op: see weight_only_linear).
     """
 
-    def __init__(self, module: nn.Linear, bits: int, group_size: int, scale_dtype: torch.dtype | None = None,
-                 zero_points: bool = False):
+    def __init__(self, module: nn.Linear, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = module.in_features, module.out_features
         self.bits, self.group_size = bits, group_size
@@ -107,10 +106,8 @@ class GroupQuantLinear(nn.Module):
         self.register_buffer("weight", q)
         # [out, in / group_size], in the weights' dtype: fp32 for an fp32 model, 16-bit when the model is
         # served in 16 bits (bf16-weights), as GPTQ/AWQ checkpoints store fp16 scales.
+        # (A projection's stand-in for tinygemm keeps fp32 scales whatever the weights' dtype: tinygemm_stand_in.)
         self.register_buffer("scales", scale.to(scale_dtype or module.weight.dtype))
-        # A projection's stand-in for tinygemm (tinygemm_stand_in) holds its zero points too (symmetric here, so
-        # all zero): the bytes torchao's layout keeps beside each scale.
-        self.register_buffer("zero_points", torch.zeros_like(self.scales) if zero_points else None)
         self.register_buffer("bias", module.bias.detach().clone() if module.bias is not None else None)
 
     @property
@@ -223,21 +220,25 @@ def _torchao_layer(module: nn.Linear, bits: int, group: int, device: torch.devic
 
 def _tinygemm_target(run: Run, module: nn.Linear) -> bool:
     """Whether the cell's GPU would run `module` through torchao's int4 tinygemm (_torchao_layer): an NVIDIA
-    GPU of compute capability 8.0 or newer, a layer it takes unpadded, torchao importable."""
-    capability = run.profile.compute_capability
-    if run.profile.vendor != "nvidia" or not capability or _torchao()[0] is None:
-        return False
-    major, _, minor = capability.partition(".")
-    return ((int(major), int(minor or 0)) >= (8, 0) and module.in_features % TINYGEMM_IN_MULTIPLE == 0
+    GPU of compute capability 8.0 or newer, a layer it takes unpadded, torchao importable. (A torchao too old
+    for the tile-packed config would fall back to the hand-written layer when run: not foreseen here.)"""
+    capability = run.profile.cc_tuple
+    return (run.profile.vendor == "nvidia" and capability is not None and capability >= (8, 0)
+            and _torchao()[0] is not None and module.in_features % TINYGEMM_IN_MULTIPLE == 0
             and module.out_features % TINYGEMM_OUT_MULTIPLE == 0)
 
 
 def tinygemm_stand_in(module: nn.Linear, group: int) -> nn.Module:
     """What a projection traces for a layer a GPU runs through tinygemm (fake tensors cannot run torchao's
-    packing): the same int4 weight in the hand-written layout, with a bf16 scale and zero point per group
-    (torchao's scale_and_zero, 5 bits a weight at group 32) and the matmul in bf16 on a bf16 island, as
-    Bf16Input runs the real layer. Without it an fp32 model's int4 prefill was costed at the fp32 rate."""
-    return Bf16Input(GroupQuantLinear(module, 4, group, scale_dtype=torch.bfloat16, zero_points=True))
+    packing): the same int4 weight in the hand-written layout, the matmul in bf16 on a bf16 island as
+    Bf16Input runs the real layer, the bias in bf16 as torchao's layer holds it. Torchao keeps a bf16 scale and
+    a bf16 zero point per group (scale_and_zero: 5 bits a weight at group 32); the stand-in's one fp32 scale per
+    group is those 4 bytes, which the weight-only op reads as the kernel does. Without it an fp32 model's int4
+    prefill was costed at the fp32 rate."""
+    layer = GroupQuantLinear(module, 4, group, scale_dtype=torch.float32)
+    if layer.bias is not None:
+        layer.bias = layer.bias.to(torch.bfloat16)
+    return Bf16Input(layer)
 
 
 def _group_quant(bits: int) -> Callable[[Run], None]:

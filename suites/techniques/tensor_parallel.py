@@ -37,6 +37,21 @@ def _head_major(weight: torch.Tensor, heads: int, kv_heads: int, ranks: int) -> 
     return torch.cat(parts)
 
 
+def _shardable(layer) -> bool:
+    """A Linear that ColwiseParallel / RowwiseParallel can shard: not an adapter's wrapper (not a Linear) nor
+    QLoRA's 4-bit base (its weight an NF4Tensor, which DTensor cannot split)."""
+    from suites.techniques.adapters import NF4Linear
+
+    return isinstance(layer, torch.nn.Linear) and not isinstance(layer, NF4Linear)
+
+
+def _replaced(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
+    """The first of `names` that is a layer tensor parallelism cannot shard (a mixture's expert matrices are
+    Parameters, not layers: expert parallelism's)."""
+    return next((name for name in names if isinstance(getattr(module, name, None), torch.nn.Module)
+                 and not _shardable(getattr(module, name))), None)
+
+
 def tp_modules(model: torch.nn.Module, workload, ranks: int):
     """(module, "attention" or "mlp") for each module tensor parallelism shards over `ranks`, checked
     that it splits: whole query and key/value heads per rank, MLP neurons in equal parts, plain Linear
@@ -51,14 +66,16 @@ def tp_modules(model: torch.nn.Module, workload, ranks: int):
             if heads % ranks or (heads // groups) % ranks:
                 raise Unsupported(f"{heads} query and {heads // groups} key/value heads do not split over {ranks} "
                                   "ranks")
-            qkv = getattr(module, roles.qkv)
-            if not isinstance(qkv, torch.nn.Linear):  # an adapter's wrapper: ColwiseParallel takes Linear layers
-                raise Unsupported(f"tensor parallelism shards plain Linear layers; {roles.qkv} is a "
-                                  f"{type(qkv).__name__} (another technique of the stack replaced it)")
+            replaced = _replaced(module, (roles.qkv, roles.out))
+            if replaced:
+                raise Unsupported(f"tensor parallelism shards plain Linear layers; {replaced} is a "
+                                  f"{type(getattr(module, replaced)).__name__} (another technique of the stack "
+                                  "replaced it)")
             found.append((module, "attention"))
-        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and hasattr(getattr(module, mlp.up), "base_layer"):
-            raise Unsupported(f"tensor parallelism shards plain Linear layers; {mlp.up} is wrapped by an adapter "
-                              f"({type(getattr(module, mlp.up)).__name__})")
+        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and _replaced(module, (mlp.up, mlp.down)):
+            wrapped = _replaced(module, (mlp.up, mlp.down))
+            raise Unsupported(f"tensor parallelism shards plain Linear layers; {wrapped} is a "
+                              f"{type(getattr(module, wrapped)).__name__} (another technique of the stack replaced it)")
         elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and isinstance(getattr(module, mlp.up),
                                                                                   torch.nn.Linear):
             if getattr(module, mlp.up).out_features % ranks:
