@@ -182,3 +182,7 @@ def test_tensor_parallelism_refuses_layers_an_adapter_or_a_4_bit_base_replaced(s
     # An adapter's wrapper (PEFT) or an NF4 weight cannot be split by ColwiseParallel / RowwiseParallel.
     with pytest.raises(Unsupported, match="shards plain Linear layers"):
         tp_modules(run.model, workload, 2)
+    # So the stack says so before anything runs or is projected; sharded data parallelism takes adapters.
+    gpu = PROFILES["h100-sxm"]
+    assert "adapters wrap them first" in parse_stack(f"{stack}+tensor-parallel").check(gpu, workload, "train")
+    assert parse_stack(f"{stack}+fsdp").check(gpu, workload, "train") is None

@@ -179,3 +179,15 @@ def test_techniques_applied_before_autocast_know_the_bytes_of_the_outputs_they_e
     run = Run(workload=workload, size=spec, mode="train", profile=CPU, model=workload.build(spec), batch_size=2)
     Stack((spy, *techniques[1:])).apply(run)
     assert seen == [exchanged] and output_bytes(run) == exchanged
+
+
+def test_torchaos_pytree_enum_notice_is_filtered_and_other_pytree_warnings_are_not(caplog):
+    import logging
+
+    import suites.techniques  # noqa: F401  (installs the filter)
+
+    logger = logging.getLogger("torch.utils._pytree")
+    with caplog.at_level(logging.WARNING, logger="torch.utils._pytree"):
+        logger.warning("<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile")
+        logger.warning("something else about pytrees")
+    assert [r.getMessage() for r in caplog.records] == ["something else about pytrees"]

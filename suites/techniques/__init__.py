@@ -112,6 +112,12 @@ class Stack:
             reason = technique.check(profile, workload, mode)
             if reason:
                 return f"{technique.id}: {reason}"
+        adapters = next((t.id for t in self.techniques if t.exclusive == "adapters"), None)
+        if adapters and "tensor-parallel" in present:
+            # Adapters wrap the blocks' Linear layers before parallelism applies (phase order), and
+            # ColwiseParallel / RowwiseParallel shard plain Linear layers only (tensor_parallel.tp_modules).
+            return (f"tensor-parallel: it shards plain Linear layers, and {adapters}'s adapters wrap them first; "
+                    "fine-tune with adapters under fsdp or data-parallel instead")
         return None
 
     def apply(self, run: Run) -> Run:

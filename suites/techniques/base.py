@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,18 @@ from torch import nn
 if TYPE_CHECKING:  # profiles are a contract; only their type is needed here
     from harness.profiles import GpuProfile
     from suites.workloads.base import SizeSpec, Workload
+
+
+class _TorchaoEnumNotice(logging.Filter):
+    """Drops the notice torch >= 2.13 logs on every import of torchao 0.18 (it registers Enums as pytree
+    constants, which torch now supports natively): a deprecation inside torchao that the user of a technique
+    (fp8, NF4, low-bit optimizers, group-quant) can do nothing about, printed on every `headroom project`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+logging.getLogger("torch.utils._pytree").addFilter(_TorchaoEnumNotice())
 
 
 class Phase(enum.IntEnum):

@@ -9,7 +9,6 @@ experts' batched expert matrices are stored the same way, per expert (groupquant
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 
 import torch
@@ -145,19 +144,13 @@ class Bf16Input(nn.Module):
 @functools.cache
 def _torchao():
     """torchao's quantize_ API, or None with the reason it is unavailable."""
-    # torchao 0.18 registers an Enum as a pytree constant, which torch >= 2.13 logs a deprecation warning
-    # about on every import: not the user's concern, so it is held back while importing.
-    pytree_log = logging.getLogger("torch.utils._pytree")
-    level = pytree_log.level
-    pytree_log.setLevel(logging.ERROR)
+    # (torch's notice about torchao's pytree Enums is filtered out in suites/techniques/base.py.)
     try:
         import torchao
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
         from torchao.quantization.granularity import PerGroup
     except Exception as exc:  # not installed, or built for another torch: the fallback takes over
         return None, f"torchao unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
-    finally:
-        pytree_log.setLevel(level)
     return (torchao.__version__, quantize_, Int8WeightOnlyConfig, Int4WeightOnlyConfig, PerGroup), ""
 
 
