@@ -186,3 +186,16 @@ def test_tensor_parallelism_refuses_layers_an_adapter_or_a_4_bit_base_replaced(s
     gpu = PROFILES["h100-sxm"]
     assert "adapters wrap them first" in parse_stack(f"{stack}+tensor-parallel").check(gpu, workload, "train")
     assert parse_stack(f"{stack}+fsdp").check(gpu, workload, "train") is None
+
+
+def test_qlora_keeps_a_mixtures_router_in_its_dtype():
+    from suites.techniques.expert import moe_layers
+
+    workload = get_workload("gpt")
+    spec = workload.size("moe-smoke")
+    run = Run(workload=workload, size=spec, mode="train", profile=PROFILES["cpu"], model=workload.build(spec),
+              batch_size=2)
+    parse_stack("qlora").apply(run)
+    routers = [getattr(layer.router, "base_layer", layer.router) for layer in moe_layers(run.model)]  # adapted or not
+    assert routers and all(type(router) is nn.Linear for router in routers)  # not NF4: it picks the experts
+    assert any(isinstance(m, NF4Linear) for m in run.model.modules())  # the rest of the base is
