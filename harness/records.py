@@ -110,6 +110,7 @@ class Record:
     gen_len: int | None = None
     ttft_ms: float | None = None
     decode_ms_per_token_p50: float | None = None  # one decode step (one token for every sequence)
+    # ... over a generation's decode steps, which slow as the cache they read grows: not a tail latency under load
     decode_ms_per_token_p90: float | None = None
     decode_tokens_s: float | None = None  # batch / mean decode step time
     prefill_tokens_s: float | None = None  # batch x prompt / time to first token
