@@ -243,11 +243,10 @@ def _needs_nf4(profile, workload, mode: str) -> str | None:
 
 def _apply_qlora(run: Run, rank: int, alpha: float, targets: tuple[str, ...]) -> None:
     what = "Linear layer (NF4 base weights are for Linear layers)"
-    from suites.techniques.expert import moe_layers
+    from suites.techniques.expert import router_ids
 
-    # Every block Linear is the frozen base, all in NF4, but a mixture's router, which stays in its dtype as
-    # quantised Mixtral checkpoints keep it (group-quant does the same): its rounding would reroute tokens.
-    routers = {id(layer.router) for layer in moe_layers(run.model)}
+    # Every block Linear is the frozen base, all in NF4, but a mixture's router (group-quant does the same).
+    routers = router_ids(run.model)
     base = [name for name in adapted_layers(run, (nn.Linear,), (), what)
             if id(run.model.get_submodule(name)) not in routers]
     layers = adapted_layers(run, (nn.Linear,), targets, what)

@@ -21,6 +21,13 @@ def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if hasattr(module, "keep_experts")]
 
 
+def router_ids(model: torch.nn.Module) -> set[int]:
+    """The ids of the model's mixture routers, which quantisation leaves in their dtype (quantised Mixtral
+    checkpoints keep the gate unconverted, AutoAWQ's modules_to_not_convert = ["gate"]): a few bytes, and
+    rounding them would send tokens to other experts."""
+    return {id(layer.router) for layer in moe_layers(model)}
+
+
 def _averaged(world: int, reduce: bool, group=None):
     """A hook on each backward's gradient, before it is accumulated (so gradient accumulation sums
     averages): averaged over the `group`'s `world` ranks, all-reduced for a replicated parameter; an expert's

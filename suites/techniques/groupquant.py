@@ -244,11 +244,9 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
         paths = {"torchao": 0, "torchao (traced as its bytes and bf16 matmul)": 0, "hand-written": 0}
         groups_used: dict[int, int] = {}
         before = after = skipped = 0
-        # A mixture's router stays in its dtype, as quantised Mixtral checkpoints keep it (AutoAWQ's Mixtral:
-        # modules_to_not_convert = ["gate"]): a few bytes, and its rounding would send tokens to other experts.
-        from suites.techniques.expert import moe_layers
+        from suites.techniques.expert import router_ids
 
-        routers = {id(layer.router) for layer in moe_layers(run.model)}
+        routers = router_ids(run.model)
         tied, kept_tied = tied_layers(run.model), []
 
         def convert(module: nn.Module) -> nn.Module | None:

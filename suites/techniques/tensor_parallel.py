@@ -45,11 +45,14 @@ def _shardable(layer) -> bool:
     return isinstance(layer, torch.nn.Linear) and not isinstance(layer, NF4Linear)
 
 
-def _replaced(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
-    """The first of `names` that is a layer tensor parallelism cannot shard (a mixture's expert matrices are
-    Parameters, not layers: expert parallelism's)."""
-    return next((name for name in names if isinstance(getattr(module, name, None), torch.nn.Module)
-                 and not _shardable(getattr(module, name))), None)
+def _refuse_replaced(module: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Refuse the stack where one of `names` is a layer tensor parallelism cannot shard (a mixture's expert
+    matrices are Parameters, not layers: expert parallelism's)."""
+    replaced = next((name for name in names if isinstance(getattr(module, name, None), torch.nn.Module)
+                     and not _shardable(getattr(module, name))), None)
+    if replaced:
+        raise Unsupported(f"tensor parallelism shards plain Linear layers; {replaced} is a "
+                          f"{type(getattr(module, replaced)).__name__} (another technique of the stack replaced it)")
 
 
 def tp_modules(model: torch.nn.Module, workload, ranks: int):
@@ -66,18 +69,12 @@ def tp_modules(model: torch.nn.Module, workload, ranks: int):
             if heads % ranks or (heads // groups) % ranks:
                 raise Unsupported(f"{heads} query and {heads // groups} key/value heads do not split over {ranks} "
                                   "ranks")
-            replaced = _replaced(module, (roles.qkv, roles.out))
-            if replaced:
-                raise Unsupported(f"tensor parallelism shards plain Linear layers; {replaced} is a "
-                                  f"{type(getattr(module, replaced)).__name__} (another technique of the stack "
-                                  "replaced it)")
+            _refuse_replaced(module, (roles.qkv, roles.out))
             found.append((module, "attention"))
-        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and _replaced(module, (mlp.up, mlp.down)):
-            wrapped = _replaced(module, (mlp.up, mlp.down))
-            raise Unsupported(f"tensor parallelism shards plain Linear layers; {wrapped} is a "
-                              f"{type(getattr(module, wrapped)).__name__} (another technique of the stack replaced it)")
-        elif hasattr(module, mlp.up) and hasattr(module, mlp.down) and isinstance(getattr(module, mlp.up),
-                                                                                  torch.nn.Linear):
+        elif hasattr(module, mlp.up) and hasattr(module, mlp.down):
+            _refuse_replaced(module, (mlp.up, mlp.down))
+            if not isinstance(getattr(module, mlp.up), torch.nn.Linear):
+                continue
             if getattr(module, mlp.up).out_features % ranks:
                 raise Unsupported(f"{getattr(module, mlp.up).out_features} MLP neurons do not split over {ranks} "
                                   "ranks")
