@@ -203,6 +203,7 @@ def test_an_op_that_takes_only_a_tensors_shape_reads_none_of_its_data():
     weight = torch.empty(64, 1024, 1024, device="meta")  # 256 MiB it must not be charged for
     with _OpCostMode() as costs:
         weight.new_empty(0), torch.empty_like(weight)
+        torch.empty(64, 1024, device="meta"), torch.empty_strided((64, 1024), (1, 64), device="meta")
         weight.new_zeros(8), torch.zeros_like(weight[0])
     # Allocations launch nothing; a fill writes its output only: 8 floats, then one 4 MiB matrix.
     assert sorted(shape.bytes for shape in costs.ops) == [32.0, 4 * 2**20]

@@ -78,10 +78,12 @@ _NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, 
 # Ops that take only another tensor's shape, dtype and device from it, never its data: an allocation reads
 # and launches nothing; a fill writes its output only. (Costed as reading their input, a MoE layer's
 # `weight.new_empty(0)` read every expert's weights at each decoded token.)
-# (`torch.empty` and its strided forms are allocations too, but the stored speed fit was made with them costed as
-# a launch writing their output: freeing them moves held-out rows by up to 15 points, so that waits for a refit
-# with `benchmarks/projection_calibration.py --write`.)
-_ALLOCATION = {getattr(torch.ops.aten, name).default for name in ("new_empty", "new_empty_strided", "empty_like")}
+# `torch.empty` and its strided form are allocations too: a kernel's C++ asks for its output with them (eval-mode
+# batch norm's empty statistics, one per layer of a ResNet), which costs the host no Python dispatch and the GPU
+# no kernel.
+_ALLOCATION = {getattr(torch.ops.aten, name).default for name in ("new_empty", "new_empty_strided", "empty_like",
+                                                                   "empty_strided")} | {
+    torch.ops.aten.empty.memory_format}
 _FILL = {getattr(torch.ops.aten, name).default
          for name in ("new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like")}
 # Composite ops that run as one kernel on a GPU (fused_norms.py lends it to GPU targets' traces): costed
