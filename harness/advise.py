@@ -10,7 +10,10 @@ stacks found in its rows the same way (`rank_fixes`).
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import pandas as pd
 
@@ -107,6 +110,33 @@ def rank_fixes(target: dict, fixes: list[dict]) -> list[str]:
     return [fix_line(fix["stack"], target, fix, reference) for fix in fitting]
 
 
+def _project_one(request, profiles):
+    from harness.project.query import projected_rows
+
+    return projected_rows(request, profiles)[0]
+
+
+def project_all(requests: list, profiles, progress: Callable[[str], None], workers: int | None = None) -> list:
+    """The projected row of each request, in order. Each is seconds of tracing on one core and they are
+    independent, so they run in parallel processes (spawned: a forked child of a process whose torch has
+    started its thread pools can hang), one per core; `workers=1` runs them here, one after another."""
+    workers = min(len(requests), workers or os.cpu_count() or 1)
+    label = [f"{r.technique} on {r.gpu}" + (" (largest batch)" if r.max_batch else "") for r in requests]
+    if workers <= 1:
+        results = []
+        for request, name in zip(requests, label, strict=True):
+            progress(f"projecting {name}")
+            results.append(_project_one(request, profiles))
+        return results
+    progress(f"projecting {len(requests)} cells in {workers} processes")
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_project_one, request, profiles): name for request, name in zip(requests, label,
+                                                                                               strict=True)}
+        for done, future in enumerate(as_completed(futures), 1):
+            progress(f"{done}/{len(requests)}: projected {futures[future]}")
+        return [future.result() for future in futures]
+
+
 def memory_row(record) -> dict:
     """The memory fields of a projected record that `row_memory_left_worst` reads."""
     return {key: getattr(record, key, None) for key in ("peak_reserved_bytes", "peak_reserved_high_bytes",
@@ -130,8 +160,9 @@ class Advice:
     headline: str
 
 
-def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) -> Advice:
-    """Project `request` (harness/project/query.py ProjectRequest, one GPU) and the advice for it."""
+def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, workers: int | None = None) -> Advice:
+    """Project `request` (harness/project/query.py ProjectRequest, one GPU) and the advice for it; the stacks
+    and GPUs it tries are projected in `workers` processes (default: one per core)."""
     from harness.profiles import resolve_gpus
     from harness.project.query import projected_rows
 
@@ -155,13 +186,16 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
         progress(f"projecting {changes.get('technique', request.technique)} on {changes.get('gpu', profile.id)}")
         return projected_rows(dataclasses.replace(request, **changes), profiles)[0]
 
+    def project_each(changes: list[dict]) -> list:
+        return project_all([dataclasses.replace(request, **c) for c in changes], profiles, progress, workers)
+
     record = project()
     if record.status not in ("ok", "oom"):
         raise ValueError(f"{request.technique} on {profile.id}: {record.status}: {record.reason}")
     target = _summary(record, capacity)
     if record.status == "oom" or (target["left"] is not None and target["left"] < 0):
         stacks = [s for s in candidate_stacks(request.mode, profile) if s != request.technique]
-        fixes = [_summary(project(technique=stack), capacity) for stack in stacks]
+        fixes = [_summary(record, capacity) for record in project_each([{"technique": s} for s in stacks])]
         lines = rank_fixes(target, [f for f in fixes if f["status"] == "ok"])
         unsupported = [f for f in fixes if f["status"] == "unsupported"]
         skipped = (f" ({len(unsupported)} unsupported on {profile.id}: "
@@ -185,7 +219,8 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None) 
         speed += f" ({record.step_time_ms_low:,.0f} to {record.step_time_ms_high:,.0f} across its error bar)"
     cost = f", ${record.usd_per_million_samples:,.2f} per million samples" if record.usd_per_million_samples else ""
     return Advice(profile.id, target,
-                  _when_it_fits(request, record, profile, profiles, project, capacity) + _decode_mode(request, record),
+                  _when_it_fits(request, record, profile, profiles, project, project_each, capacity)
+                  + _decode_mode(request, record),
                   f"projected: {request.technique} fits on {profile.id} with {gib(target['left'])} left"
                   f"{uncertain_fit(target['worst'])}{speed}{cost}")
 
@@ -206,7 +241,7 @@ def candidate_stacks(mode: str, profile) -> list[str]:
     return list(dict.fromkeys(stacks))
 
 
-def _when_it_fits(request, record, profile, profiles, project, capacity) -> list[str]:
+def _when_it_fits(request, record, profile, profiles, project, project_each, capacity) -> list[str]:
     """What a fitting cell could do instead: the largest batch here, and GPUs that still hold it cheaper by
     the hour or per sample. Per sample, each GPU is compared at the largest batch it holds (as a buyer would
     run it), the asked batch where none larger fits or where --max-batch already asked for the largest."""
@@ -229,19 +264,20 @@ def _when_it_fits(request, record, profile, profiles, project, capacity) -> list
     # Every priced GPU that could hold it: a dearer one by the hour can be cheaper per sample when it is faster.
     others = [p for p in profiles.values() if p.id != profile.id and p.vendor != "cpu" and p.usd_per_hour
               and (p.per_device().capacity_bytes or 0) >= needed * 0.95]
-    found = []
-    for other in others:
-        result = project(gpu=other.id)
+    found, holding = [], []
+    for other, result in zip(others, project_each([{"gpu": other.id} for other in others]), strict=True):
         row, other_capacity = memory_row(result), other.per_device().capacity_bytes
         left = row_memory_left(row, other_capacity)
         if result.status == "ok" and left is not None and left >= 0:
-            worst = row_memory_left_worst(row, other_capacity)
-            larger = None if request.max_batch else project(gpu=other.id, max_batch=True, batch_size=None)
-            if not (larger and larger.status == "ok" and larger.batch_size
-                    and larger.batch_size > result.batch_size and larger.usd_per_million_samples):
-                larger = None
-            best = _cheapest(result.usd_per_million_samples, larger.usd_per_million_samples if larger else None)
-            found.append((best if best is not None else float("inf"), other, result, left, worst, larger))
+            holding.append((other, result, left, row_memory_left_worst(row, other_capacity)))
+    largest = [None] * len(holding) if request.max_batch else project_each(
+        [{"gpu": other.id, "max_batch": True, "batch_size": None} for other, *_ in holding])
+    for (other, result, left, worst), larger in zip(holding, largest, strict=True):
+        if not (larger and larger.status == "ok" and larger.batch_size
+                and larger.batch_size > result.batch_size and larger.usd_per_million_samples):
+            larger = None
+        best = _cheapest(result.usd_per_million_samples, larger.usd_per_million_samples if larger else None)
+        found.append((best if best is not None else float("inf"), other, result, left, worst, larger))
     # Ranked, and said, per sample: cheaper by the hour is not cheaper per sample when it is slower, and a
     # dearer GPU by the hour is worth naming only where it is cheaper per sample.
     named = 0
