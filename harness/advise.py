@@ -164,7 +164,6 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
     """Project `request` (harness/project/query.py ProjectRequest, one GPU) and the advice for it; the stacks
     and GPUs it tries are projected in `workers` processes (default: one per core)."""
     from harness.profiles import resolve_gpus
-    from harness.project.query import projected_rows
 
     # An exact id wins over a family of the same name (`h200` is the SXM's id and the family of two).
     chosen = [profiles[request.gpu]] if request.gpu in profiles else resolve_gpus([request.gpu], profiles)
@@ -182,12 +181,11 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
                          f"--technique {request.technique} --gpu {profile.id} --min-gpus counts how many it needs")
     request = dataclasses.replace(request, gpu=profile.id)
 
-    def project(**changes):
-        progress(f"projecting {changes.get('technique', request.technique)} on {changes.get('gpu', profile.id)}")
-        return projected_rows(dataclasses.replace(request, **changes), profiles)[0]
-
     def project_each(changes: list[dict]) -> list:
         return project_all([dataclasses.replace(request, **c) for c in changes], profiles, progress, workers)
+
+    def project(**changes):
+        return project_each([changes])[0]
 
     record = project()
     if record.status not in ("ok", "oom"):
