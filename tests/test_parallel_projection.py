@@ -414,3 +414,16 @@ def test_a_parallel_rows_error_bar_says_what_it_rests_on():
     row = project_outcome(cell)
     assert row.speed.step_time_ms_low < row.speed.step_time_ms_p50 < row.speed.step_time_ms_high
     assert row.interval_basis.startswith("step time: multi-GPU communication time not yet checked")
+
+
+def test_fsdp_under_a_pipeline_says_it_regathers_per_micro_batch_and_fsdp_zero2_gathers_once():
+    rows = {}
+    for sharding in ("fsdp", "fsdp-zero2"):
+        request = ProjectRequest(gpu="h100-sxm", workload="gpt", size="gpt2-124m", pp=2, dp=2, batch_size=16,
+                                 technique=f"pipeline-parallel+{sharding}+amp-bf16")
+        rows[sharding] = projected_rows(request, PROFILES)[0]
+    assert rows["fsdp"].status == rows["fsdp-zero2"].status == "ok"
+    assert "gathers the stage's blocks again for each of its" in rows["fsdp"].notes
+    assert "again for each" not in rows["fsdp-zero2"].notes
+    # The note's advice holds in the projection itself: fewer bytes sent per step.
+    assert rows["fsdp-zero2"].comm_bytes_per_step < rows["fsdp"].comm_bytes_per_step

@@ -51,7 +51,7 @@ from harness.project.trace import BACKWARD_PHASES
 from suites.techniques import Stack, Unsupported
 from suites.techniques.expert import moe_layers
 from suites.techniques.offload import HostTraffic
-from suites.techniques.parallel import GATHER_DTYPES
+from suites.techniques.parallel import GATHER_DTYPES, regathered_note
 from suites.techniques.tensor_parallel import norm_gradient_bytes
 
 # Blocks whose parameters FSDP2 holds unsharded at once: the one computing and the one prefetched.
@@ -458,6 +458,8 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
     if sent:
         notes.append(f"data-parallel communication {sum(sent.values()) / 2**20:,.0f} MiB sent per rank per step over "
                      f"{links['data'][1]}: {exposed * 1e3:.1f} ms not hidden under compute")
+        if layout.data_technique == "fsdp" and layout.pp > 1 and layout.micro_batches > 1:
+            notes.append(regathered_note(layout.micro_batches))
     # The bytes are checked (counted on gloo ranks, tests/test_parallel.py); their time over NVLink and the
     # network, and the overlap, not yet against a measured multi-GPU step.
     bar = unfitted_interval(step * 1e3, "multi-GPU communication time not yet checked against a measured "

@@ -184,6 +184,18 @@ def _shard(run: Run, reshard_after_forward: bool, offload: bool, mp: str | None 
                      + (f"; blocks gathered and computed in {mp}, gradients reduced in fp32" if mp else "")
                      + f"; {run.comm_bytes_per_step:,} bytes sent per rank per step (ring all-gather / "
                        "reduce-scatter)")
+    if run.pipeline and reshard_after_forward and not offload and run.pipeline.micro_batches > 1:
+        run.notes.append(regathered_note(run.pipeline.micro_batches))
+
+
+def regathered_note(micro_batches: int) -> str:
+    """What fsdp costs under a pipeline and the variant that avoids it: each stage runs its forward and backward
+    once per micro-batch, and FSDP2 resharding after the forward gathers the stage's blocks again for each.
+    torchtitan keeps them gathered under pipeline parallelism by default (reshard_after_forward = not
+    pp_enabled, torchtitan/models/llama3/infra/parallelize.py), as fsdp-zero2 does here."""
+    return (f"under the pipeline fsdp gathers the stage's blocks again for each of its {micro_batches} micro-batches; "
+            "fsdp-zero2 gathers them once per step and keeps them whole (torchtitan's default under pipeline "
+            "parallelism)")
 
 
 def rank_count(technique: str, option: str, meaning: str, options: dict[str, str]) -> int:
