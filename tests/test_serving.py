@@ -5,6 +5,7 @@ serving fit matrix."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pandas as pd
 import pytest
@@ -391,3 +392,19 @@ def test_a_batched_time_to_first_token_says_it_is_the_whole_batchs_prefill():
 
     assert "prefill of all 4 prompts in one step (static batching" in notes(4)
     assert "static batching" not in notes(1)
+
+
+def test_an_eager_decode_step_that_waits_on_the_host_says_so_and_a_cuda_graph_does_not():
+    def decode(technique: str):
+        cell = Cell("gpt", "gpt2-124m", "infer", technique, "h100-sxm", 1, "projected").resolve(PROFILES)
+        outcome = project_outcome(cell)
+        assert outcome.status == "ok"
+        return outcome, [note for note in outcome.notes if note.startswith("a decode step is host-bound")]
+
+    eager, said = decode("bf16-weights")
+    (note,) = said
+    issue, busy = (float(x) for x in re.findall(r"([\d.]+) ms", note))
+    assert issue > busy  # the GPU waits on the host for most of the step
+    compiled, said = decode("bf16-weights+compile")
+    assert not said
+    assert compiled.serving.decode_ms_p50 < eager.serving.decode_ms_p50 / 2

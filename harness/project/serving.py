@@ -49,4 +49,15 @@ def generation_time(trace: StepTrace, profile) -> GenerationTime | None:
         return None
     prefill, first, last = parts
     return GenerationTime(prefill.step_s, first.step_s, last.step_s, trace.gen_len,
-                          notes=prefill.notes, fitted=prefill.fitted)
+                          notes=prefill.notes + _host_bound(last), fitted=prefill.fitted)
+
+
+def _host_bound(decode: TimeEstimate) -> tuple[str, ...]:
+    """A note where eager PyTorch's per-op host cost, not the weights' and cache's read, sets a decode step's time
+    (the GPU waits on the host for most of it): what a faster GPU cannot buy, and what a CUDA graph removes."""
+    busy = decode.step_s - decode.overhead_s
+    if decode.overhead_s <= 0.5 * decode.step_s:
+        return ()
+    return (f"a decode step is host-bound: the host issues its ops in {decode.issue_s * 1e3:.1f} ms against "
+            f"{busy * 1e3:.1f} ms of GPU work (eager PyTorch), so a faster GPU barely shortens it; +compile "
+            "replays the step as a CUDA graph, one launch",)
