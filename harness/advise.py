@@ -120,7 +120,9 @@ def project_all(requests: list, profiles, progress: Callable[[str], None], worke
     """The projected row of each request, in order. Each is seconds of tracing on one core and they are
     independent, so they run in parallel processes (spawned: a forked child of a process whose torch has
     started its thread pools can hang), one per core; `workers=1` runs them here, one after another."""
-    workers = min(len(requests), workers or os.cpu_count() or 1)
+    # The cores this process may use (a container's cpuset), not the host's count.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(len(requests), workers or cores or 1)
     label = [f"{r.technique} on {r.gpu}" + (" (largest batch)" if r.max_batch else "") for r in requests]
     if workers <= 1:
         results = []
