@@ -219,7 +219,7 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
         speed += f" ({record.step_time_ms_low:,.0f} to {record.step_time_ms_high:,.0f} across its error bar)"
     cost = f", ${record.usd_per_million_samples:,.2f} per million samples" if record.usd_per_million_samples else ""
     return Advice(profile.id, target,
-                  _when_it_fits(request, record, profile, profiles, project, project_each, capacity)
+                  _when_it_fits(request, record, profile, profiles, project_each, capacity)
                   + _decode_mode(request, record),
                   f"projected: {request.technique} fits on {profile.id} with {gib(target['left'])} left"
                   f"{uncertain_fit(target['worst'])}{speed}{cost}")
@@ -241,14 +241,14 @@ def candidate_stacks(mode: str, profile) -> list[str]:
     return list(dict.fromkeys(stacks))
 
 
-def _when_it_fits(request, record, profile, profiles, project, project_each, capacity) -> list[str]:
+def _when_it_fits(request, record, profile, profiles, project_each, capacity) -> list[str]:
     """What a fitting cell could do instead: the largest batch here, and GPUs that still hold it cheaper by
     the hour or per sample. Per sample, each GPU is compared at the largest batch it holds (as a buyer would
     run it), the asked batch where none larger fits or where --max-batch already asked for the largest."""
     lines = []
     mine = record.usd_per_million_samples
     if not request.max_batch:
-        largest = project(max_batch=True, batch_size=None)
+        (largest,) = project_each([{"max_batch": True, "batch_size": None}])
         if largest.status == "ok" and largest.batch_size and largest.batch_size > record.batch_size:
             cost = f", ${largest.usd_per_million_samples:,.2f} per million samples" \
                 if largest.usd_per_million_samples else ""

@@ -127,7 +127,7 @@ def test_a_gpu_dearer_by_the_hour_is_named_only_where_it_is_cheaper_per_sample()
                                batch_size=8, throughput_samples_s=800.0)
 
     request = SimpleNamespace(max_batch=True, technique="amp-bf16")
-    lines = advise._when_it_fits(request, project(), profiles["h100-sxm"], profiles, project,
+    lines = advise._when_it_fits(request, project(), profiles["h100-sxm"], profiles,
                                  lambda changes: [project(**c) for c in changes], None)
     named = [line.split(": ")[1].split(" ")[0] for line in lines[:-1]]
     assert named == ["b200", "a10", "l4"]  # per sample, cheapest first; no other GPU dearer by the hour
@@ -155,7 +155,7 @@ def test_gpus_are_compared_per_sample_at_the_largest_batch_each_holds():
                                throughput_samples_s=800.0)
 
     request = SimpleNamespace(max_batch=False, technique="amp-bf16")
-    lines = advise._when_it_fits(request, project(), profiles["h100-sxm"], profiles, project,
+    lines = advise._when_it_fits(request, project(), profiles["h100-sxm"], profiles,
                                  lambda changes: [project(**c) for c in changes], None)
     assert lines[0].startswith("a larger batch fits: up to 32 (now 8)")
     assert lines[1].startswith("another GPU holds it: b200") and "$1.10 per million samples; up to batch 96: $0.60" \
