@@ -2,12 +2,13 @@
 
 A buyer compares GPUs by the ratio of their throughputs, so this checks that ratio rather than absolute
 step times: each row of benchmarks/data/heldout_gpu_ratios.csv is one workload's single-GPU training
-throughput on one GPU, all measured by one party with one program (Lambda's deeplearning-benchmark, NVIDIA
-DeepLearningExamples in NGC containers; lambdal/deeplearning-benchmark, pytorch/pytorch-train-throughput-fp16.csv
-and -fp32.csv at commit 0551cb70, single-GPU rows; their "fp32" runs in NGC containers, where fp32 matmuls and
-convolutions take TF32 on Ampere and later, so they are compared with the `tf32` technique). Dividing by the same program's figure on the reference GPU cancels
-what headroom does not model about that program (its data loader, its fusions, its batch), leaving what the
-projection must get right: how the GPUs differ.
+throughput on one GPU, all measured by one party with one program (Lambda's deeplearning-benchmark running
+NVIDIA DeepLearningExamples in NGC containers: lambdal/deeplearning-benchmark, files
+pytorch/pytorch-train-throughput-fp16.csv and -fp32.csv at commit 0551cb70, single-GPU rows; its "fp32"
+runs in NGC containers, where fp32 matmuls and convolutions take TF32 on Ampere and later, so those rows
+are compared with the `tf32` technique). Dividing by the same program's figure on the reference GPU
+cancels what headroom does not model about that program (its data loader, its fusions, its batch),
+leaving what the projection must get right: how the GPUs differ.
 
 These rows are held out: `projection_calibration.py` never reads this file, so nothing here is fitted and
 the error printed is an honest out-of-sample error. Do not tune constants against it; add rows instead.
