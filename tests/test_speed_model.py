@@ -146,6 +146,15 @@ def test_amd_gpus_are_costed_with_amd_constants_never_nvidias_fit():
     assert any("not fitted" in note for note in time.notes)
 
 
+def test_amd_bandwidth_priors_come_from_amd_stream_measurements_per_generation():
+    # BabelStream: MI300X 0.77 of its datasheet, an MI250X GCD 0.81; eager kernels at 0.70 of a stream kernel.
+    mi300x, mi250x = constants_for(PROFILES["mi300x"]).gpu, constants_for(PROFILES["mi250x"]).gpu
+    assert (mi300x.stream_bandwidth_efficiency, mi250x.stream_bandwidth_efficiency) == (0.77, 0.81)
+    for gpu in (mi300x, mi250x):
+        assert gpu.bandwidth_efficiency == pytest.approx(gpu.stream_bandwidth_efficiency * 0.70, abs=0.005)
+    assert constants_for(PROFILES["mi250x"]).key == "amd.cdna2" and mi250x.matmul_derating == 0.767
+
+
 def test_op_shapes_are_extrapolated_in_depth_as_a_full_trace_counts_them():
     spec = dataclasses.replace(WORKLOADS["gpt"].sizes["smoke"], config={**WORKLOADS["gpt"].sizes["smoke"].config,
                                                                          "n_layer": 6})
