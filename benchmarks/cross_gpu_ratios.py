@@ -19,7 +19,6 @@ Usage: python benchmarks/cross_gpu_ratios.py [--reference a100-sxm4-80gb]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import warnings
@@ -30,16 +29,14 @@ import pandas as pd
 from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.project import project
-from suites.workloads import WORKLOADS
+from suites.workloads import spec_as_run
 
 HELD_OUT = Path(__file__).with_name("data") / "heldout_gpu_ratios.csv"
 
 
 def projected_samples_s(row: dict, profiles) -> float:
     """Projected training throughput (samples/s) of one held-out row's configuration on its GPU."""
-    spec = WORKLOADS[row["workload"]].sizes[row["size"]]
-    if not pd.isna(row["seq_len"]):
-        spec = dataclasses.replace(spec, seq_len=int(row["seq_len"]))
+    spec = spec_as_run(row["workload"], row["size"], row["seq_len"])
     batch = int(row["batch_size"])
     cell = Cell(row["workload"], row["size"], "train", row["technique"], row["gpu"], batch,
                 "projected").resolve(profiles, spec=spec)

@@ -37,7 +37,7 @@ from harness.project.speed_fit import (
     projected_s,
     summary,
 )
-from suites.workloads import WORKLOADS
+from suites.workloads import WORKLOADS, spec_as_run
 
 PUBLISHED = Path(__file__).with_name("data") / "published_speed.csv"
 TARGET_MEDIAN, TARGET_WORST = 0.15, 0.35
@@ -56,11 +56,7 @@ def config_overrides(text) -> dict[str, int]:
 
 def _point(label, group, workload, size, technique, gpu, batch, seq_len, mode, profiles, measured_s, source,
            phases=PHASES, config=None, one_forward=False) -> SpeedPoint:
-    spec = WORKLOADS[workload].sizes[size]
-    if seq_len and not pd.isna(seq_len) and spec.seq_len != int(seq_len):
-        spec = dataclasses.replace(spec, seq_len=int(seq_len))
-    if config:  # a name the workload's config does not have fails where the model is built
-        spec = dataclasses.replace(spec, config={**spec.config, **config})
+    spec = spec_as_run(workload, size, seq_len, config)
     cell = Cell(workload, size, mode, technique, gpu, int(batch), "projected").resolve(profiles, spec=spec)
     if one_forward:
         # A served decoder's inference cell is a generation; a pair measured as one forward pass over the whole

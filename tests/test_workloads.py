@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from suites.workloads import WORKLOADS, bert, get_workload, gpt
+from suites.workloads import WORKLOADS, bert, get_workload, gpt, spec_as_run
 from suites.workloads.base import SCALES, count_parameters
 
 # The analytic counts are exact, so compare tightly: at 1% the stem conv's skipped input grad (0.95% of
@@ -71,6 +71,14 @@ def test_registry():
     with pytest.raises(ValueError, match="did you mean 'resnet50'"):
         get_workload("resnet")
 
+
+
+def test_spec_as_run_takes_a_measured_rows_sequence_and_shape_but_keeps_the_size_where_blank():
+    base = WORKLOADS["bert"].sizes["bert-large"]
+    for blank in (None, float("nan"), base.seq_len):
+        assert spec_as_run("bert", "bert-large", blank) is base
+    longer = spec_as_run("bert", "bert-large", 384.0, {"vocab_size": 30528})
+    assert (longer.seq_len, longer.config["vocab_size"], longer.name) == (384, 30528, base.name)
 
 @pytest.mark.parametrize("workload_name,size_name", ALL_SIZES)
 def test_parameter_count(workload_name, size_name):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import math
 
 from suites.workloads import bert, fragmentation, gpt, resnet50
 from suites.workloads.base import Workload
@@ -43,3 +45,14 @@ def get_workload(name: str) -> Workload:
         if close:
             message += f"; did you mean {close[0]!r}?"
         raise ValueError(message) from None
+
+
+def spec_as_run(workload: str, size: str, seq_len=None, config: dict | None = None):
+    """A built-in size's spec as a measured row ran it: its sequence length (None, blank or NaN: the size's own)
+    and any `config` overrides of the model's shape (a name the model does not take fails where it is built)."""
+    spec = WORKLOADS[workload].sizes[size]
+    if seq_len and not (isinstance(seq_len, float) and math.isnan(seq_len)) and spec.seq_len != int(seq_len):
+        spec = dataclasses.replace(spec, seq_len=int(seq_len))
+    if config:
+        spec = dataclasses.replace(spec, config={**spec.config, **config})
+    return spec
