@@ -160,6 +160,25 @@ def test_cuda_profiles_round_allocations_to_512_bytes():
     assert on_gpu.peak_bytes > on_cpu.peak_bytes
 
 
+
+def test_autocasts_weight_copies_are_counted_as_the_part_of_the_activations_they_are():
+    import torch
+
+    with torch.device("meta"):
+        model = WORKLOADS["gpt"].build(WORKLOADS["gpt"].sizes["smoke"])
+    # Every matmul weight once at 2 bytes, gpt2's output projection (the token embedding, tied) included, each
+    # allocation rounded to 512 bytes.
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [model.wte.weight]
+    expected = sum(-(-w.numel() * 2 // 512) * 512 for w in weights)
+    small, large = (traced(_cell("gpt", "smoke", "amp-bf16", batch=b)) for b in (2, 8))
+    assert small.weight_cast_bytes == large.weight_cast_bytes == expected
+    assert large.activations_bytes > small.activations_bytes > small.weight_cast_bytes
+    memory = project(_cell("gpt", "smoke", "amp-bf16", batch=2)).memory
+    assert any(f"{expected / MiB:,.1f} MiB of autocast" in note for note in memory.notes)
+    # fp32 makes no copies; checkpointed blocks keep none for the backward (they recompute them there).
+    assert traced(_cell("gpt", "smoke", batch=2)).weight_cast_bytes == 0
+    assert 0 < traced(_cell("gpt", "smoke", "amp-bf16+checkpointing", batch=2)).weight_cast_bytes < expected
+
 def test_blas_workspaces_are_inside_the_allocators_figures():
     # CublasHandlePool.cpp: 32 MiB cuBLAS workspace on sm90 (and sm100/sm120 from torch 2.11), else
     # ":4096:2:16:8"; a separate 1 MiB cuBLASLt one in 2.8-2.10; hipBLAS 128 MiB on gfx94x + hipBLASLt

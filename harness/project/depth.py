@@ -88,6 +88,7 @@ def _extrapolated_trace(a: StepTrace, b: StepTrace, low: int, high: int, depth: 
         param_count=round(lin(a.param_count, b.param_count)), gen_len=b.gen_len,
         kv_cache_bytes=round(lin(a.kv_cache_bytes, b.kv_cache_bytes)),
         gathered_bytes=round(lin(a.gathered_bytes, b.gathered_bytes)),
+        weight_cast_bytes=round(lin(a.weight_cast_bytes, b.weight_cast_bytes)),
         phase_peaks={p: round(v) for p, v in peaks.items() if p},
         phase_at_peak={p: {k: round(lin(a.phase_at_peak[p].get(k, 0), b.phase_at_peak[p].get(k, 0)))
                            for k in set(a.phase_at_peak[p]) | set(b.phase_at_peak[p])}

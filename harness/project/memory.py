@@ -159,6 +159,9 @@ def project_memory(trace: StepTrace, logged: StepTrace, profile, mode: str,
                      "and ECC/driver reservations take 0.5-6% of it")
     if workspaces:
         notes.append(f"includes {sum(workspaces) / MiB:.1f} MiB of BLAS workspaces in the allocator")
+    if trace.weight_cast_bytes:
+        notes.append(f"activations include {trace.weight_cast_bytes / MiB:,.1f} MiB of autocast's low-precision "
+                     f"copies of the weights, kept for the backward (they do not grow with the batch)")
     memory = MemoryProjection(
         peak_allocated=trace.peak_bytes + sum(workspaces), reserved=reserved, params=trace.params_bytes,
         grads=trace.grads_bytes, optimizer=trace.optimizer_bytes, activations=trace.activations_bytes,

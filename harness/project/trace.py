@@ -30,6 +30,7 @@ from harness.project.autocast_policy import cuda_autocast_policy
 from harness.project.fused_norms import cuda_fused_rms_norm
 from harness.project.lean_import import import_mem_tracker
 from harness.project.op_costs import OpCost, OpShape, _OpCostMode, compiled_optimizer_ops, op_class
+from harness.project.weight_casts import WeightCasts
 from suites.step import Step
 from suites.techniques import Run, Stack
 from suites.techniques.offload import HostTraffic
@@ -87,6 +88,8 @@ class StepTrace:
     kv_cache_bytes: int = 0
     gathered_bytes: int = 0
     host: HostTraffic | None = None  # an offloaded optimizer's host side (suites/techniques/offload.py)
+    # Of the activations: autocast's copies of the weights that the backward keeps (weight_casts.py)
+    weight_cast_bytes: int = 0
 
     @property
     def costs(self) -> dict[tuple[str, str, str], OpCost]:
@@ -297,11 +300,19 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             phase_after = ({"forward_start": "forward", "forward_end": "backward", "backward_end": "optimizer"}
                            if run.mode == "train" else {})
 
+            # Autocast's weight copies kept for the backward: counted over the (first) training forward.
+            casts = WeightCasts(run.model.parameters(), rounding)
+            counts_casts = run.mode == "train" and run.autocast_dtype is not None
+
             def mark(name: str) -> None:
                 costs.phase = tracker.phase = phase_after.get(name, costs.phase)
                 between_forwards(name)
                 if name == "forward_start":
                     forward_started()
+                    casts.counting = counts_casts and "forward_end" not in marks
+                if name == "forward_end" and casts.counting:
+                    casts.counting = False
+                    marks["weight_casts"] = {"total": casts.live_bytes()}
                 marks.setdefault(name, dict(tracker.by_category(), total=tracker.total))
 
             measured_from = len(tracker.events)
@@ -313,7 +324,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             # the forward's peak would switch between this moment and mid-forward as the depth grows, and
             # depth extrapolation from two small depths would join two different moments (depth.py).
             tracker.phase = "optimizer" if run.mode == "train" else "forward"
-            with tracker, costs, _blocks_backward_marked(run, tracker) as forward_started:
+            with tracker, costs, casts, _blocks_backward_marked(run, tracker) as forward_started:
                 step(batch, mark=mark)
                 costs.flush()
             end = tracker.by_category()
@@ -329,6 +340,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
         peak_bytes=tracker.peak, at_peak=tracker.at_peak, params_bytes=end.get("params", 0),
         grads_bytes=end.get("grads", 0) if run.mode == "train" else 0,
         optimizer_bytes=end.get("optimizer", 0), activations_bytes=activations, events=tracker.events,
+        weight_cast_bytes=marks.get("weight_casts", {}).get("total", 0),
         ops=ops, baseline_bytes=baseline, precision=run.precision, tf32=run.tf32,
         compiled=run.compiled, allocator=run.allocator,
         notes=notes + run.notes,
