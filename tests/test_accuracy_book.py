@@ -53,6 +53,18 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
     assert training._schedule(100, 10, 100) == pytest.approx(0.1)
 
 
+def test_a_long_training_run_says_how_far_it_is(monkeypatch, local):
+    monkeypatch.setattr(training, "HEARTBEAT_S", 0.0)  # every step is "long enough" since the last word
+    workload = get_workload("gpt")
+    size = workload.sizes["smoke"]
+    run = training.Run(workload=workload, size=size, mode="train", profile=local, model=workload.build(size),
+                       batch_size=2)
+    beats = []
+    training.train(run, torch.device("cpu"), 4, 1e-3, 2, 0, lambda *beat: beats.append(beat))
+    assert [(done, total) for done, total, _ in beats] == [(1, 4), (2, 4), (3, 4)]  # the last step reports itself
+    assert all(per_step > 0 for _, _, per_step in beats)
+
+
 def test_rows_per_stack_with_paired_deltas_fidelity_and_resume(tiny_budgets, local, tmp_path):
     book = AccuracyBook(tmp_path)
     lines = []

@@ -192,6 +192,9 @@ def _measure(task: Task, stack: Stack, trainer: training.Trainer, baseline, full
     parts = training.roles(stack)
     values, reference, fidelities = [], [], []
     for seed in range(seeds):
+        label = f"accuracy {task.workload} {stack.name} seed {seed}"
+        trainer.heartbeat = lambda done, total, per_step, label=label: progress(
+            f"{label}: training, step {done}/{total} ({per_step:.1f} s a step)")
         base_model, base_scored = baseline(seed)
         if training.adapts(parts):  # adapters answer "instead of fine-tuning every weight": compare with that
             base_scored = full_fine_tune(seed, parts.step_settings)
@@ -203,7 +206,7 @@ def _measure(task: Task, stack: Stack, trainer: training.Trainer, baseline, full
             fidelities.append(scoring.fidelity(base_scored, scored))
         values.append(metric_value(task.kind, scored))
         reference.append(metric_value(task.kind, base_scored))
-        progress(f"accuracy {task.workload} {stack.name} seed {seed}: {task.metric} {values[-1]:.4f}")
+        progress(f"{label}: {task.metric} {values[-1]:.4f}")
     comparison = (stats.Comparison(0.0, 0.0, "reference") if stack.name == BASELINE
                   else stats.compare(values, reference, task.higher_is_better, _unit(task)))
     if training.adapts(parts):

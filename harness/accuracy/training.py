@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,8 +89,16 @@ def _schedule(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(run: Run, device: torch.device, steps: int, lr: float, batch_size: int, seed: int) -> float:
-    """Train `run.model` for `steps` optimizer steps as the stack's Step runs them; the last loss."""
+# A seed can train for minutes (bf16 autocast on a CPU without bf16 instructions runs ~17x slower than fp32:
+# gpt smoke, 522 s against 31 s a seed): say where it is at least this often.
+HEARTBEAT_S = 30.0
+Heartbeat = Callable[[int, int, float], None]  # (steps done, steps in all, seconds a step so far)
+
+
+def train(run: Run, device: torch.device, steps: int, lr: float, batch_size: int, seed: int,
+          heartbeat: Heartbeat | None = None) -> float:
+    """Train `run.model` for `steps` optimizer steps as the stack's Step runs them; the last loss.
+    `heartbeat` hears how far it is every HEARTBEAT_S seconds."""
     step = Step(run, device)
     for group in step.optimizer.param_groups:
         if isinstance(group["lr"], torch.Tensor):  # torchao's low-bit optimizers keep it as a tensor
@@ -99,12 +109,17 @@ def train(run: Run, device: torch.device, steps: int, lr: float, batch_size: int
     scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda i: _schedule(i, warmup, steps))
     generator = torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
-    for _ in range(steps):
+    started = last_beat = time.perf_counter()
+    for done in range(1, steps + 1):
         batch = {k: v.to(device) for k, v in run.workload.batch(run.size, batch_size, generator).items()}
         loss = step(batch)
         with warnings.catch_warnings():  # fp16 loss scaling skips the first steps' updates, by design
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
             scheduler.step()
+        now = time.perf_counter()
+        if heartbeat is not None and done < steps and now - last_beat >= HEARTBEAT_S:
+            heartbeat(done, steps, (now - started) / done)
+            last_beat = now
     if not torch.isfinite(loss).all():
         raise FloatingPointError(f"training diverged: loss {loss.item()}")
     return loss.item()
@@ -119,6 +134,7 @@ class Trainer:
     profile: object
     device: torch.device
     budget: Budget
+    heartbeat: Heartbeat | None = None  # told how far a long training run is (set per stack and seed)
 
     def _run(self, model: torch.nn.Module, mode: str) -> Run:
         return Run(workload=self.workload, size=self.task.size, mode=mode, profile=self.profile, model=model,
@@ -130,7 +146,7 @@ class Trainer:
         run = self._run(self.workload.build(self.task.size), "train")
         in_phase_order(techniques).apply(run)
         run.model.to(self.device)
-        train(run, self.device, self.budget.steps, self.budget.lr, self.budget.batch_size, seed)
+        train(run, self.device, self.budget.steps, self.budget.lr, self.budget.batch_size, seed, self.heartbeat)
         return run.model
 
     def deployed(self, trained: torch.nn.Module, parts: Roles, seed: int, in_full: bool = False) -> Step:
@@ -142,7 +158,7 @@ class Trainer:
             in_phase_order((*parts.step_settings, *parts.fine_tuned)).apply(run)
             run.model.to(self.device)
             train(run, self.device, self.budget.fine_tune_steps, self.budget.lr * fine_tune_lr_scale(parts),
-                  self.budget.batch_size, seed + 10_000)
+                  self.budget.batch_size, seed + 10_000, self.heartbeat)
             model = run.model
         run = self._run(model, "infer")
         kept = tuple(t for t in parts.step_settings if t.check(self.profile, self.workload, "infer") is None)
