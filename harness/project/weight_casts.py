@@ -28,7 +28,10 @@ class WeightCasts(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if (self.counting and func is torch.ops.aten._to_copy.default and args
                 and id(args[0]) in self._parameter_ids and isinstance(out, torch.Tensor)):
-            storage = out.untyped_storage()
+            try:
+                storage = out.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) holds no storage of its own
+                return out
             size = -(-storage.nbytes() // self._rounding) * self._rounding
             self._copies[id(storage)] = (weakref.ref(storage), size)
         return out
