@@ -35,6 +35,26 @@ def svg_of(figure) -> str:
     return text[text.index("<svg"):]
 
 
+# Costs spanning less than this factor are drawn on a linear axis: a log axis over less than a decade has
+# at most one labelled power of ten (often none), leaving a chart without a readable number.
+LOG_AXIS_SPAN = 10.0
+
+
+def _cost_axis(axis, values: list[float]) -> None:
+    """Log scale for costs that span decades, linear otherwise; ticks labelled as plain numbers (0.002, not
+    2x10^-3) and never more than about six of them, so neighbouring labels do not collide."""
+    positive = [v for v in values if v > 0]
+    span = max(positive) / min(positive) if positive else 1.0
+    if span > LOG_AXIS_SPAN:
+        axis.set_xscale("log")
+        if span < 1000:  # a decade or two: label 1, 2 and 5 of each, not the powers of ten alone
+            axis.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    else:
+        axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=6))
+    axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+
+
 def cost_dots(points: list[dict], title: str, unit: str) -> str:
     """USD per million (log axis) per GPU, one marker per model size, with each point's range as an error
     bar; hollow markers are projected, filled ones measured. `points`: gpu, size, cost, low, high, measured."""
@@ -50,9 +70,7 @@ def cost_dots(points: list[dict], title: str, unit: str) -> str:
             axis.errorbar(point["cost"], y, xerr=error, fmt="o", color=colour, markersize=5, elinewidth=0.8,
                           markerfacecolor=colour if point["measured"] is True else "white",
                           label=size if point is next(p for p in points if p["size"] == size) else None)
-    axis.set_xscale("log")
-    # Minor ticks stay unlabelled: over a narrow range their labels (2.4e-2, 2.5e-2...) run into each other.
-    axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    _cost_axis(axis, [v for p in points for v in (p["cost"], p["low"], p["high"]) if v])
     axis.set_yticks(range(len(gpus)), gpus, fontsize=8)
     axis.invert_yaxis()  # cheapest on top
     axis.set_xlabel(f"USD per million {unit}: best stack per GPU; hollow projected, filled measured; "

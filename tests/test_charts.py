@@ -3,12 +3,29 @@ from a results file cannot become markup."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from reports import charts
 
 
-def _dots(gpu: str) -> str:
-    return charts.cost_dots([{"gpu": gpu, "size": "gpt2-124m", "cost": 0.5, "low": 0.4, "high": 0.7,
+def _dots(gpu: str, cost: float = 0.5, low: float = 0.4, high: float = 0.7) -> str:
+    return charts.cost_dots([{"gpu": gpu, "size": "gpt2-124m", "cost": cost, "low": low, "high": high,
                               "measured": False}], "gpt train: USD per million tokens", "tokens")
+
+
+def _numbers(svg: str) -> list[float]:
+    """The plain numbers the chart labels its axis with."""
+    return [float(text) for text in re.findall(r">\s*([0-9]+(?:\.[0-9]+)?)\s*</text>", svg)]
+
+
+@pytest.mark.parametrize("cost, low, high", [(0.0018, 0.0013, 0.0026), (0.35, 0.11, 1.03), (3.0, 0.01, 90.0)])
+def test_a_cost_axis_carries_readable_numbers_whatever_its_span(cost, low, high):
+    """A log axis over less than a decade has one power of ten to label, often none: such a chart had no number."""
+    numbers = _numbers(_dots("h100-sxm", cost, low, high))
+    assert len(numbers) >= 3, numbers
+    assert all(low / 2 <= n <= high * 2 for n in numbers), numbers
 
 
 def test_chart_labels_are_svg_text_not_glyph_paths():
