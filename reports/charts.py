@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 
 import matplotlib
 import matplotlib.ticker
@@ -88,7 +89,8 @@ def fit_heatmap(labels: list[str], gpus: list[str], left: list[list[float | None
     """Rows (size / stack) x GPUs: green where the cell fits, red where it does not, yellow where it fits as
     projected but not at the high end of the projection's interval (`marginal`), written with the memory
     left (or missing) in GiB; `left` is bytes, None where no row exists."""
-    figure, axis = plt.subplots(figsize=(max(6.0, 0.62 * len(gpus) + 3), 0.28 * len(labels) + 1.6))
+    width = max(6.0, 0.62 * len(gpus) + 3)
+    figure, axis = plt.subplots(figsize=(width, 0.28 * len(labels) + 1.6))
     marginal = marginal or [[False] * len(row) for row in left]
     shade = [[float("nan") if value is None else 0.5 if edge else (1.0 if value >= 0 else 0.0)
               for value, edge in zip(row, edges, strict=True)] for row, edges in zip(left, marginal, strict=True)]
@@ -97,13 +99,21 @@ def fit_heatmap(labels: list[str], gpus: list[str], left: list[list[float | None
         for j, value in enumerate(row):
             text = "-" if value is None else "OOM" if value == float("-inf") else \
                 f"{value / GIB:+.0f}" if abs(value) >= GIB else f"{value / GIB:+.1f}"
-            axis.text(j, i, text, ha="center", va="center", fontsize=6)
+            axis.text(j, i, text, ha="center", va="center", fontsize=7)
     axis.set_yticks(range(len(labels)), labels, fontsize=7)
     axis.set_xticks(range(len(gpus)), gpus, fontsize=7, rotation=45, ha="right")
-    axis.set_title(title + " (GiB left, negative: short by" + ("; yellow: may not fit within the projection's interval)"
-                                                               if any(map(any, marginal)) else ")"), fontsize=9)
+    legend = "GiB left, negative: short by" + ("; yellow: may not fit within the projection's interval"
+                                                 if any(map(any, marginal)) else "")
+    # The title centres on the axes, which the row labels push right: wrap it to the axes' share of the width.
+    axis.set_title(_wrapped(f"{title} ({legend})", 0.6 * width), fontsize=9)
     figure.tight_layout()
     return svg_of(figure)
+
+
+def _wrapped(title: str, width_inches: float, fontsize: float = 9) -> str:
+    """`title` broken into lines that fit a figure `width_inches` wide (a line longer than the figure is cut
+    off at its edge in the saved SVG); a character of a sans-serif font is about 0.55 em wide."""
+    return textwrap.fill(title, width=max(20, int(width_inches * 72 / (0.55 * fontsize))))
 
 
 def memory_bars(stacks: list[str], parts: dict[str, list[float]], title: str) -> str:

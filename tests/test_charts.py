@@ -38,3 +38,22 @@ def test_chart_labels_are_svg_text_not_glyph_paths():
 def test_a_name_from_the_results_stays_text():
     svg = _dots("<script>alert(1)</script>")
     assert "<script>" not in svg and "&lt;script&gt;alert(1)&lt;/script&gt;" in svg
+
+
+def test_a_fit_matrix_title_stays_inside_its_figure(monkeypatch):
+    """A long title centred over axes that long row labels push right ran past the figure's edge, cut off."""
+    seen = {}
+    original = charts.svg_of
+
+    def measured(figure):
+        renderer = figure.canvas.get_renderer()
+        title = figure.axes[0].title.get_window_extent(renderer)
+        seen["inside"] = 0 <= title.x0 and title.x1 <= figure.bbox.x1
+        return original(figure)
+
+    monkeypatch.setattr(charts, "svg_of", measured)
+    labels = [f"bert-base b32 / {stack}" for stack in ("amp-bf16", "checkpointing", "grad-accumulation")]
+    svg = charts.fit_heatmap(labels, ["h100-pcie", "h100-sxm", "h100-nvl"], [[2**30] * 3] * 3,
+                             "bert train: fits on which GPU (projected)", marginal=[[True, False, False]] * 3)
+    assert seen["inside"]
+    assert "interval)" in svg  # the legend's end is drawn, not cut
