@@ -27,7 +27,7 @@ CATEGORY_COLOURS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer"
 def svg_of(figure) -> str:
     """The figure as an `<svg>` element (the XML prolog and doctype dropped: it sits inside HTML). Its text
     stays text (`svg.fonttype` none), drawn in the page's sans-serif font, rather than each glyph as a path:
-    a report's charts shrink about fivefold, and their labels can be searched and copied."""
+    a report's charts shrink about threefold, and their labels can be searched and copied."""
     buffer = io.StringIO()
     with matplotlib.rc_context({"svg.fonttype": "none"}):
         figure.savefig(buffer, format="svg")
@@ -57,8 +57,9 @@ def _cost_axis(axis, values: list[float]) -> None:
 
 
 def cost_dots(points: list[dict], title: str, unit: str) -> str:
-    """USD per million (log axis) per GPU, one marker per model size, with each point's range as an error
-    bar; hollow markers are projected, filled ones measured. `points`: gpu, size, cost, low, high, measured."""
+    """USD per million per GPU (`_cost_axis` picks the scale), one marker per model size, with each point's
+    range as an error bar; hollow markers are projected, filled ones measured. `points`: gpu, size, cost, low,
+    high, measured."""
     gpus = sorted({p["gpu"] for p in points}, key=lambda g: min(p["cost"] for p in points if p["gpu"] == g))
     sizes = list(dict.fromkeys(p["size"] for p in points))
     figure, axis = plt.subplots(figsize=(7.5, 0.32 * len(gpus) + 1.4))
