@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 from harness.cell import Cell
 from harness.measure.local import MeasureSettings, measure
@@ -160,10 +161,7 @@ def test_cuda_profiles_round_allocations_to_512_bytes():
     assert on_gpu.peak_bytes > on_cpu.peak_bytes
 
 
-
 def test_autocasts_weight_copies_are_counted_as_the_part_of_the_activations_they_are():
-    import torch
-
     with torch.device("meta"):
         model = WORKLOADS["gpt"].build(WORKLOADS["gpt"].sizes["smoke"])
     # Every matmul weight once at 2 bytes, gpt2's output projection (the token embedding, tied) included, each
@@ -178,6 +176,7 @@ def test_autocasts_weight_copies_are_counted_as_the_part_of_the_activations_they
     # fp32 makes no copies; checkpointed blocks keep none for the backward (they recompute them there).
     assert traced(_cell("gpt", "smoke", batch=2)).weight_cast_bytes == 0
     assert 0 < traced(_cell("gpt", "smoke", "amp-bf16+checkpointing", batch=2)).weight_cast_bytes < expected
+
 
 def test_blas_workspaces_are_inside_the_allocators_figures():
     # CublasHandlePool.cpp: 32 MiB cuBLAS workspace on sm90 (and sm100/sm120 from torch 2.11), else
