@@ -317,9 +317,10 @@ def test_a_projection_traces_tinygemms_bf16_matmul_and_bytes_where_the_gpu_would
     if not _torchao_available():
         pytest.skip(f"torchao is not usable here: {G._torchao()[1]}")
     workload = WORKLOADS["gpt"]
+    fake = FakeTensorMode()
 
     def traced_on(gpu: str) -> nn.Module:
-        with FakeTensorMode():  # as the projection traces: fake tensors, an fp32 model
+        with fake:  # as the projection traces: fake tensors, an fp32 model
             run = Run(workload=workload, size=workload.sizes["smoke"], mode="infer", profile=PROFILES[gpu],
                       model=nn.Sequential(nn.Linear(1024, 256)), batch_size=1)
             parse_stack("group-quant-int4").apply(run)
@@ -333,6 +334,15 @@ def test_a_projection_traces_tinygemms_bf16_matmul_and_bytes_where_the_gpu_would
     assert sum(b.nbytes for b in ampere.buffers()) == weights // 2 + 4 * weights // 32 + 256 * 2
     # A T4 (compute capability 7.5) has no tinygemm: the hand-written layer, in the model's fp32.
     assert isinstance(turing, G.GroupQuantLinear) and turing.scales.dtype == torch.float32
+    # The speed model costs the A100's matmul as tinygemm's (its own rate), the T4's as a weight-only GEMM.
+    assert isinstance(ampere.layer, G.TinygemmStandIn) and not isinstance(turing, G.TinygemmStandIn)
+    from harness.project.op_costs import _OpCostMode
+
+    with fake, _OpCostMode() as costs:
+        x = torch.zeros(4, 1024)
+        ampere(x), turing(x)
+    matmuls = [s for s in costs.ops if s.op_class == "matmul"]
+    assert sorted((s.dtype, s.tinygemm) for s in matmuls) == [("bfloat16", True), ("float32", False)]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

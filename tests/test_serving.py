@@ -151,6 +151,14 @@ def test_quantised_weights_project_faster_decode_than_bf16(compiled):
     assert int4 < int8 < bf16 if compiled else max(int4, int8) < bf16
 
 
+def test_int4_weights_prefill_several_times_slower_than_bf16_where_tinygemm_multiplies():
+    # torchao's int4 tinygemm reads a quarter of the bytes (decode gains) but multiplies at about a ninth of
+    # the bf16 rate (speed_constants.toml): measured on an A100, 7.8x the time to first token at batch 128.
+    bf16, int4 = (_row(_served("gpt-7b", f"bf16-weights{quant}")) for quant in ("", "+group-quant-int4"))
+    assert int4.ttft_ms > 3 * bf16.ttft_ms
+    assert "tinygemm at 0.116 of the bf16 rate" in int4.notes and "tinygemm" not in bf16.notes
+
+
 def test_weight_only_quantisation_is_costed_by_its_packed_bytes():
     trace = traced(_served("smoke", "bf16-weights+group-quant-int4"))
     ops = [(s, n) for s, n in trace.ops.items() if s.phase == "decode_first" and s.op_class == "matmul"]

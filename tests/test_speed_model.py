@@ -51,7 +51,7 @@ def _no_host(constants):
 def _only(ops: OpArrays, selected: np.ndarray) -> OpArrays:
     """The model's input cut down to the `selected` ops (the per-op columns; the device's figures stay)."""
     columns = ("count", "flops", "bytes", "kernels", "phase", "issuer", "aligned", "op_class", "fused", "simt",
-               "achievable", "datasheet", "streaming", "nchw_bytes", "nchw_tensors")
+               "achievable", "datasheet", "streaming", "nchw_bytes", "nchw_tensors", "tinygemm")
     return dataclasses.replace(ops, **{name: getattr(ops, name)[selected] for name in columns})
 
 
@@ -264,6 +264,31 @@ def test_a_decode_step_is_costed_by_the_bandwidth_it_streams_not_by_idle_sms():
         return project(cell.resolve(PROFILES)).generation.decode_mean_s
 
     assert decode_s("a100-sxm4-40gb") < 0.8 * decode_s("a10")
+
+
+def test_int4_tinygemm_multiplies_at_its_own_rate_and_reads_only_its_packed_weight():
+    # torchao's tinygemm runs about 15 TFLOP/s at any row count on an A6000 (speed_constants.toml): a prefill's
+    # int4 GEMM takes about 1 / tinygemm_efficiency times the bf16 one, a one-row decode's is bound by the packed
+    # weight it reads and so beats bf16, which reads four times the bytes.
+    profile = PROFILES["a100-sxm4-80gb"]
+    constants = _no_host(constants_for(profile))
+    efficiency = constants.gpu.tinygemm_efficiency
+    assert 0.05 < efficiency < 0.2
+
+    def seconds(rows: int, tinygemm: bool) -> float:
+        k = n = 4096
+        weight = k * n * (0.5 + 4 / 32) if tinygemm else k * n * 2  # int4 + a 4-byte scale per 32, or bf16
+        ops = dataclasses.replace(_gemm(2.0 * rows * k * n), bytes=np.array([weight + 2 * rows * (k + n)]),
+                                  achievable=np.array([profile.achievable_flops["bf16"]]),
+                                  datasheet=np.array([profile.peak("bf16")]), sm_count=profile.sm_count,
+                                  bandwidth=profile.memory_bandwidth_bytes_s, tinygemm=np.array([tinygemm]))
+        return step_time(ops, constants).step_s
+
+    prefill = seconds(8192, True) / seconds(8192, False)
+    assert 0.8 / efficiency < prefill <= 1 / efficiency
+    assert seconds(1, True) < 0.4 * seconds(1, False)
+    assert "tinygemm" in " ".join(step_time(dataclasses.replace(_gemm(1e9), tinygemm=np.array([True])),
+                                            constants).notes)
 
 
 def test_foreach_ops_launch_a_kernel_per_chunk_of_tensors():

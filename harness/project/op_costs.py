@@ -58,6 +58,7 @@ class OpShape:
     fused: bool = False  # an elementwise op inside a compiled kernel: no launch or host cost of its own
     nchw_bytes: float = 0.0
     nchw_tensors: int = 0
+    tinygemm: bool = False  # torchao's int4 tinygemm matmul, costed at its own rate (speed_constants.toml)
 
 
 def op_class(name: str) -> str:
@@ -92,6 +93,10 @@ _ONE_KERNEL = {getattr(torch.ops.aten, name) for name in ("_fused_rms_norm", "_f
                if hasattr(torch.ops.aten, name)}
 
 
+# The weight-only matmuls of suites/techniques/groupquant.py: one op each, reading the packed weight.
+WEIGHT_ONLY_LINEARS = ("headroom.weight_only_linear", "headroom.tinygemm_linear")
+
+
 # PyTorch's multi_tensor_apply (the foreach kernels of the optimizer step) launches a kernel when a
 # chunk list fills: at most 110..30 tensors (fewer with more lists per op; 64 is the middle) or 320
 # blocks of 65,536 elements (aten/src/ATen/native/cuda/MultiTensorApply.cuh).
@@ -119,7 +124,7 @@ def _aligned(name: str, args, outputs, dtype: str) -> bool:
     granule = 16 if dtype in ("int8", "float8_e4m3fn", "float8_e5m2") else 8
     if name == "headroom.routed_expert_mm":  # its GEMMs are each expert's tokens by [in, out] (x's k is not one)
         return all(int(d) % granule == 0 for d in (args[0].shape[-1], *args[2].shape[-2:]))
-    if name == "headroom.weight_only_linear":  # x [..., in] by a packed weight [out, ...]: in and out
+    if name in WEIGHT_ONLY_LINEARS:  # x [..., in] by a packed weight [out, ...]: in and out
         return all(int(d) % granule == 0 for d in (args[0].shape[-1], args[1].shape[0]))
     matrices = [t for t in (*args, *outputs) if isinstance(t, torch.Tensor) and t.dim() >= 2]
     return all(ld is None or ld % granule == 0 for ld in map(_leading_dimension, matrices))
@@ -231,7 +236,7 @@ class _OpCostMode(TorchDispatchMode):
             # operands are not floating point, so its dtype is named here.
             (m, k), n = args[0].shape, args[1].shape[1]
             flops, dtype = 2.0 * m * k * n, "int8"
-        elif name == "headroom.weight_only_linear":
+        elif name in WEIGHT_ONLY_LINEARS:
             # (x [..., in], packed integer weight [out, ...], scales, bits, group): a GEMM of x by the
             # dequantised weight, in x's dtype; its bytes are the packed weight's, as the kernel reads them.
             flops = 2.0 * args[0].numel() * args[1].shape[0]
@@ -257,7 +262,8 @@ class _OpCostMode(TorchDispatchMode):
         kernels = foreach_kernels(args) if multi_tensor else 1
         nchw = _nchw(inputs + outputs) if op_class(name) == "conv" else []
         shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
-                        _aligned(name, args, outputs, dtype), fusing, float(sum(nbytes(t) for t in nchw)), len(nchw))
+                        _aligned(name, args, outputs, dtype), fusing, float(sum(nbytes(t) for t in nchw)), len(nchw),
+                        tinygemm=name == "headroom.tinygemm_linear")
         self.ops[shape] += 1
         return out
 

@@ -10,7 +10,8 @@ time and the host's issue time of each step phase are combined.
 - Memory: bytes read + written at the datasheet bandwidth times a fitted efficiency (a measured copy rate
   replaces it only where the vendor's constants were never fitted). An op takes the longer of the two, plus a
   fixed cost per kernel it launches (launch, tail; a foreach op launches one per chunk of tensors). A
-  16-bit GEMM with a dimension off the tensor-core granule runs at a fraction of the rate.
+  16-bit GEMM with a dimension off the tensor-core granule runs at a fraction of the rate, and so does
+  torchao's int4 weight-only kernel (tinygemm) at any size.
 - Host: eager PyTorch spends microseconds per op (Python, dispatcher, autograd), by who issues it
   (Python with autograd, autograd's C++ engine, inference mode), plus cuDNN's set-up per convolution. A phase (forward,
   backward, optimizer) takes (K**p + I**p)**(1/p) for kernel time K and issue time I: the GPU runs ahead
@@ -92,6 +93,7 @@ class OpArrays:
     nchw_bytes: np.ndarray | None = None
     nchw_tensors: np.ndarray | None = None
     vendor: str = ""
+    tinygemm: np.ndarray | None = None  # bool: torchao's int4 tinygemm matmul (its own rate)
 
 
 def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tuple[str, ...] = PHASES) -> OpArrays:
@@ -134,7 +136,8 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
         compiled=trace.compiled, cuda_graphs=trace.compiled and not any(s.phase == "backward" for s in trace.ops),
         host=trace.host if "optimizer" in phases else None, host_link_bytes_s=host_link_bytes_s(profile),
         notes=notes, nchw_bytes=column([s.nchw_bytes for s, _ in rows]),
-        nchw_tensors=column([s.nchw_tensors for s, _ in rows]), vendor=profile.vendor)
+        nchw_tensors=column([s.nchw_tensors for s, _ in rows]), vendor=profile.vendor,
+        tinygemm=column([s.tinygemm for s, _ in rows], bool))
 
 
 def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
@@ -182,6 +185,12 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     decoding = np.isin(ops.phase, [PHASES.index("decode_first"), PHASES.index("decode_last")])
     skinny = decoding & np.isin(ops.op_class, [_CLASS_INDEX["matmul"], _CLASS_INDEX["attention"]])
     saturation_s = np.where(skinny, np.minimum(saturation_s, memory), saturation_s)
+    # torchao's int4 tinygemm multiplies at a fraction of the bf16 rate at any row count (speed_constants.toml);
+    # its under-filled waves leave SMs idle as a bf16 GEMM's do, so the saturation cost stays the bf16 one.
+    if ops.tinygemm is not None and ops.tinygemm.any():
+        rate = np.where(ops.tinygemm, rate * gpu.tinygemm_efficiency, rate)
+        notes.append(f"int4 matmuls run torchao's tinygemm at {gpu.tinygemm_efficiency:.3f} of the bf16 rate (prior): "
+                     "a prefill, or a decode batch of a few dozen sequences, multiplies slower than in bf16")
     compute = np.where(has_flops, ops.flops / np.where(has_flops, rate, 1.0) + saturation_s, 0.0)
     launch = ops.kernels * gpu.kernel_s
     transposes = layout_transposes_s(ops, bandwidth, gpu.kernel_s)

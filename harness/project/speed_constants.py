@@ -37,6 +37,9 @@ class GpuConstants:
     # kernels, FlashAttention-2 and the memory-efficient one, were written for Ampere); a prior with its
     # source in speed_constants.toml, not fitted
     attention_generation_scale: float = 1.0
+    # torchao's int4 tinygemm matmul's rate relative to a bf16 GEMM's (a prior with its source in
+    # speed_constants.toml, not fitted)
+    tinygemm_efficiency: float = 1.0
     fitted: bool = False         # whether these came from a fit on measurements of this vendor
 
 

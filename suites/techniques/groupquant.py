@@ -56,6 +56,21 @@ def _weight_only_linear_fake(x, weight, scales, bits, group_size):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+# The same arithmetic under another name: what a projection traces where the GPU would run torchao's int4
+# tinygemm (tinygemm_stand_in), so the speed model can cost that kernel's own rate: tinygemm multiplies at a
+# small fraction of a bf16 GEMM's rate whatever the row count (harness/project/speed_constants.toml,
+# tinygemm_efficiency), where other weight-only kernels (Marlin, cuBLAS after a dequantise) do not.
+@torch.library.custom_op("headroom::tinygemm_linear", mutates_args=())
+def tinygemm_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bits: int,
+                    group_size: int) -> torch.Tensor:
+    return weight_only_linear(x, weight, scales, bits, group_size)
+
+
+@tinygemm_linear.register_fake
+def _tinygemm_linear_fake(x, weight, scales, bits, group_size):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def int_weight(weight: torch.Tensor, bits: int, out_features: int, in_features: int) -> torch.Tensor:
     """The integer weight [..., out, in] as int8 (int4 values unpacked from two per byte); leading
     dimensions are a batch of matrices (a mixture's experts)."""
@@ -97,6 +112,8 @@ class GroupQuantLinear(nn.Module):
     runs a float matmul (one custom op: see weight_only_linear).
     """
 
+    kernel = staticmethod(weight_only_linear)  # the custom op its forward runs (a tinygemm stand-in's differs)
+
     def __init__(self, module: nn.Linear, bits: int, group_size: int, scale_dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = module.in_features, module.out_features
@@ -122,7 +139,7 @@ class GroupQuantLinear(nn.Module):
         return dequantize(self.weight, self.scales, self.bits, self.group_size, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = weight_only_linear(x, self.weight, self.scales, self.bits, self.group_size)
+        y = self.kernel(x, self.weight, self.scales, self.bits, self.group_size)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -221,14 +238,20 @@ def _tinygemm_target(run: Run, module: nn.Linear) -> bool:
             and module.out_features % TINYGEMM_OUT_MULTIPLE == 0)
 
 
+class TinygemmStandIn(GroupQuantLinear):
+    """The hand-written layer, traced as the tinygemm kernel it stands for (tinygemm_linear)."""
+
+    kernel = staticmethod(tinygemm_linear)
+
+
 def tinygemm_stand_in(module: nn.Linear, group: int) -> nn.Module:
     """What a projection traces for a layer a GPU runs through tinygemm (fake tensors cannot run torchao's
     packing): the same int4 weight in the hand-written layout, the matmul in bf16 on a bf16 island as
     Bf16Input runs the real layer, the bias in bf16 as torchao's layer holds it. Torchao keeps a bf16 scale and
     a bf16 zero point per group (scale_and_zero: 5 bits a weight at group 32); the stand-in's one fp32 scale per
     group is those 4 bytes, which the weight-only op reads as the kernel does. Without it an fp32 model's int4
-    prefill was costed at the fp32 rate."""
-    layer = GroupQuantLinear(module, 4, group, scale_dtype=torch.float32)
+    prefill was costed at the fp32 rate. Its op is tinygemm_linear, which the speed model costs at tinygemm's rate."""
+    layer = TinygemmStandIn(module, 4, group, scale_dtype=torch.float32)
     if layer.bias is not None:
         layer.bias = layer.bias.to(torch.bfloat16)
     return Bf16Input(layer)
