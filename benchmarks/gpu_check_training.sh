@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The fine-tuning issue's GPU checks, apart from gpu_check.sh (which they would push past 8 minutes): 250 s
+# The fine-tuning issue's GPU checks, apart from gpu_check.sh (which they would push past 8 minutes): 265 s
 # in all (a cold torch.compile of the training step takes about a minute, so each cell gets 75 s), then
-# fused attention's measured share of the matmul rate against the speed model's assumption (20 s).
+# fused attention's measured share of the matmul rate against the speed model's assumption (20 s), and
+# int4 tinygemm's against bf16's (15 s).
 # gpt2-124m training at its standard batch, each cell with its projected twin:
 #   amp-bf16 (eager, the reference), amp-bf16+compile (target: at least 40% MFU on an H100/H200),
 #   fp8+compile (torchao float8 training, as it is meant to run), amp-bf16+optim-offload (torchao's CPU
@@ -36,5 +37,8 @@ print(frame[[c for c in columns if c in frame.columns]].to_string(index=False))
 PYEOF
 step "fused attention's share of the matmul rate, measured and as the speed model assumes it"
 timeout -k 5 20 $PY benchmarks/attention_share.py 2>&1 | tee -a "$SUMMARY"
+status $?
+step "int4 tinygemm against bf16 by row count, measured and as the speed model assumes it"
+timeout -k 5 15 $PY benchmarks/tinygemm_share.py 2>&1 | tee -a "$SUMMARY"
 status $?
 end_steps
