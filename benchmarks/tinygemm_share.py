@@ -33,7 +33,8 @@ def main() -> None:
     dense = nn.Linear(FEATURES, FEATURES, bias=False, device=device, dtype=torch.bfloat16)
     int4 = groupquant._torchao_layer(dense, 4, groupquant.GROUP_SIZES[4], device)
     if int4 is None:
-        print(f"no tinygemm measured: torchao cannot build it here ({groupquant._torchao()[1] or 'see _torchao_layer'})")
+        reason = groupquant._torchao()[1] or "its tile-packed layout failed on this device"
+        print(f"no tinygemm measured: torchao cannot build it here ({reason})")
         return
     assumed = constants_for(profile).gpu.tinygemm_efficiency
     print(f"{profile.id} ({profile.generation}): int4 tinygemm vs bf16, {FEATURES} x {FEATURES} weight, group "
@@ -43,7 +44,7 @@ def main() -> None:
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, FEATURES, device=device, dtype=torch.bfloat16)
-            dense_s, int4_s = timed(lambda: dense(x), 20), timed(lambda: int4(x), 20)
+            dense_s, int4_s = (timed(lambda layer=layer, x=x: layer(x), 20) for layer in (dense, int4))
             # The share means something where both kernels multiply for longer than the host takes to issue them
             # (a bf16 GEMM of 16 rows reads its weight in microseconds, under eager PyTorch's issue time).
             share = f"{dense_s / int4_s:6.3f}" if rows >= 128 else f"{'-':>6}"
