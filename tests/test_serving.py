@@ -159,6 +159,17 @@ def test_int4_weights_prefill_several_times_slower_than_bf16_where_tinygemm_mult
     assert "tinygemm at 0.116 of the bf16 rate" in int4.notes and "tinygemm" not in bf16.notes
 
 
+def test_a_projection_says_which_weight_only_matmuls_it_costs_as_a_fused_kernel_they_may_not_run_as():
+    # int8 (torchao's per-group layer dequantises the whole weight before torch.mm) and the hand-written int4
+    # layers (gpt-7b's 11008-wide down-projections, which tinygemm would pad) are costed as one fused kernel
+    # each: the row says how many, and that measured eager steps can be slower. None on a CPU target.
+    int8, int4 = (_row(_served("gpt-7b", f"bf16-weights+{quant}")) for quant in ("group-quant", "group-quant-int4"))
+    assert "161 int8 weight-only matmuls projected as one kernel" in int8.notes
+    assert "32 int4 weight-only matmuls projected as one kernel" in int4.notes
+    host = _row(_served("smoke", "bf16-weights+group-quant", gpu="cpu"))
+    assert host.status == "ok" and "weight-only matmuls projected as one kernel" not in host.notes
+
+
 def test_weight_only_quantisation_is_costed_by_its_packed_bytes():
     trace = traced(_served("smoke", "bf16-weights+group-quant-int4"))
     ops = [(s, n) for s, n in trace.ops.items() if s.phase == "decode_first" and s.op_class == "matmul"]

@@ -322,8 +322,22 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
             f"row is one group); {count} Linear layers: {path}{experts} [torchao path: {where}; {version}; "
             f"hand-written: packed int{bits} + scales in the weights' dtype, one op that dequantises and "
             f"multiplies]; {before:,} -> {after:,} bytes{kept}")
+        unfused = (paths["hand-written"] + (paths["torchao"] if bits == 8 else 0)) if traced else 0
+        if unfused and run.profile.vendor != "cpu":
+            run.notes.append(_unfused_note(unfused, bits))
 
     return apply
+
+
+def _unfused_note(layers: int, bits: int) -> str:
+    """What the projection of `layers` weight-only matmuls on a GPU leaves out. It costs each as one kernel
+    reading the packed weight, as tinygemm, Marlin, or Inductor's fusion of a one-row decode's dequantise into
+    its matmul run them (gpt-fast #114: with coordinate-descent tuning); run eagerly, or with more rows,
+    torchao's per-group int8 layer and the hand-written one dequantise the whole weight before every matmul
+    (torchao's Int8Tensor linear: `dequantize()` then `torch.mm`), several passes over it at 16 or 32 bits."""
+    return (f"{layers} int{bits} weight-only matmuls projected as one kernel reading the packed weight (the fused "
+            "kernel a compiled one-row decode can reach); run eagerly, or compiled without that fusion, they first "
+            "dequantise the whole weight (several passes over it, not costed here): measured steps can be slower")
 
 
 def _check_group(name: str):
