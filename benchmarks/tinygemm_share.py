@@ -4,8 +4,9 @@ published A6000 kernel times; 0.060 on Hopper and Blackwell, an assumption).
 
 Times `group-quant-int4`'s layer as a GPU runs it (suites/techniques/groupquant.py: Int4WeightOnlyConfig,
 tile-packed, group 32, a bf16 island) and the bf16 Linear it replaces, at row counts from a decode step's to a
-prefill's. Prints one line per row count: both times, the ratio, tinygemm's rate as a share of the bf16
-GEMM's at that size, and the model's share.
+prefill's. Prints one line per row count: both times, the ratio, tinygemm's TFLOP/s, its share of the bf16
+rate at the largest row count (where the bf16 GEMM is bound by compute, not by reading its weight), and the
+model's share.
 Usage: python benchmarks/tinygemm_share.py   (tinygemm runs on NVIDIA GPUs of compute capability 8.0 or
 newer only: elsewhere it says why and measures nothing)
 """
@@ -39,16 +40,20 @@ def main() -> None:
     assumed = constants_for(profile).gpu.tinygemm_efficiency
     print(f"{profile.id} ({profile.generation}): int4 tinygemm vs bf16, {FEATURES} x {FEATURES} weight, group "
           f"{groupquant.GROUP_SIZES[4]}; the model assumes tinygemm at {assumed:.3f} of the bf16 rate")
-    print(f"{'rows':>6} {'bf16 ms':>9} {'int4 ms':>9} {'int4/bf16':>10} {'share':>6} {'model':>6}")
     timed = seconds_per_call(device)
     with torch.inference_mode():
+        times = {}
         for rows in ROWS:
             x = torch.randn(rows, FEATURES, device=device, dtype=torch.bfloat16)
-            dense_s, int4_s = (timed(lambda layer=layer, x=x: layer(x), 20) for layer in (dense, int4))
-            # The share means something where both kernels multiply for longer than the host takes to issue them
-            # (a bf16 GEMM of 16 rows reads its weight in microseconds, under eager PyTorch's issue time).
-            share = f"{dense_s / int4_s:6.3f}" if rows >= 128 else f"{'-':>6}"
-            print(f"{rows:6d} {dense_s * 1e3:9.4f} {int4_s * 1e3:9.4f} {int4_s / dense_s:10.2f} {share} {assumed:6.3f}")
+            times[rows] = tuple(timed(lambda layer=layer, x=x: layer(x), 20) for layer in (dense, int4))
+    # The bf16 rate tinygemm is measured against: the largest GEMM's, bound by compute (a bf16 GEMM of fewer
+    # rows is bound by reading its weight, which would flatter tinygemm's share).
+    bf16_rate = 2.0 * ROWS[-1] * FEATURES * FEATURES / times[ROWS[-1]][0]
+    print(f"{'rows':>6} {'bf16 ms':>9} {'int4 ms':>9} {'int4/bf16':>10} {'int4 TF/s':>10} {'share':>6} {'model':>6}")
+    for rows, (dense_s, int4_s) in times.items():
+        int4_rate = 2.0 * rows * FEATURES * FEATURES / int4_s
+        print(f"{rows:6d} {dense_s * 1e3:9.4f} {int4_s * 1e3:9.4f} {int4_s / dense_s:10.2f} {int4_rate / 1e12:10.1f} "
+              f"{int4_rate / bf16_rate:6.3f} {assumed:6.3f}")
 
 
 if __name__ == "__main__":

@@ -39,10 +39,11 @@ def _group_size(in_features: int, bits: int) -> int | None:
     return group
 
 
-# The hand-written layer's forward is one custom op, so the projection's trace sees what a GPU's
-# weight-only kernel does (torchao's int8 weight-only and int4 tinygemm, Marlin): read the packed integer
-# weight and its scales, dequantise in registers, multiply; its FLOPs and bytes are counted from its
-# operands (harness/project/trace.py). The CPU body is the reference arithmetic: dequantise, then matmul.
+# The hand-written layer's forward is one custom op, so the projection's trace sees what a fused weight-only
+# kernel does (int4 tinygemm, Marlin, a compiled one-row decode): read the packed integer weight and its
+# scales, dequantise in registers, multiply; its FLOPs and bytes are counted from its operands
+# (harness/project/trace.py). The body is the reference arithmetic: dequantise the whole weight, then matmul,
+# as torchao's per-group int8 layer also runs eagerly (rows say what that leaves out: _unfused_note).
 @torch.library.custom_op("headroom::weight_only_linear", mutates_args=())
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bits: int,
                        group_size: int) -> torch.Tensor:
@@ -322,22 +323,25 @@ def _group_quant(bits: int) -> Callable[[Run], None]:
             f"row is one group); {count} Linear layers: {path}{experts} [torchao path: {where}; {version}; "
             f"hand-written: packed int{bits} + scales in the weights' dtype, one op that dequantises and "
             f"multiplies]; {before:,} -> {after:,} bytes{kept}")
-        unfused = (paths["hand-written"] + (paths["torchao"] if bits == 8 else 0)) if traced else 0
-        if unfused and run.profile.vendor != "cpu":
-            run.notes.append(_unfused_note(unfused, bits))
+        # Traced, every layer but tinygemm's stand-in takes the hand-written layout (torchao's int8 layer among them).
+        unfused = paths["hand-written"] if traced else 0
+        if (unfused or matrices) and traced and run.profile.vendor != "cpu":
+            run.notes.append(_unfused_note(unfused, matrices, bits))
 
     return apply
 
 
-def _unfused_note(layers: int, bits: int) -> str:
+def _unfused_note(layers: int, expert_matrices: int, bits: int) -> str:
     """What the projection of `layers` weight-only matmuls on a GPU leaves out. It costs each as one kernel
     reading the packed weight, as tinygemm, Marlin, or Inductor's fusion of a one-row decode's dequantise into
     its matmul run them (gpt-fast #114: with coordinate-descent tuning); run eagerly, or with more rows,
     torchao's per-group int8 layer and the hand-written one dequantise the whole weight before every matmul
     (torchao's Int8Tensor linear: `dequantize()` then `torch.mm`), several passes over it at 16 or 32 bits."""
-    return (f"{layers} int{bits} weight-only matmuls projected as one kernel reading the packed weight (the fused "
-            "kernel a compiled one-row decode can reach); run eagerly, or compiled without that fusion, they first "
-            "dequantise the whole weight (several passes over it, not costed here): measured steps can be slower")
+    experts = f" and {expert_matrices} MoE expert matrices" if expert_matrices else ""
+    return (f"{layers} int{bits} weight-only matmuls{experts} projected as one kernel reading the packed weight "
+            "(the fused kernel a compiled one-row decode can reach); run eagerly, or compiled without that fusion, "
+            "they first dequantise the whole weight (several passes over it, not costed here): measured steps can "
+            "be slower")
 
 
 def _check_group(name: str):
