@@ -71,6 +71,10 @@ def test_unaligned_gemms_run_slower_than_aligned_ones():
     assert step_time(_gemm(1e12, aligned=False), constants).step_s > 1.5 * step_time(_gemm(1e12), constants).step_s
 
 
+def busy_of(time) -> float:
+    return time.compute_s + time.memory_s + time.launch_s
+
+
 def test_the_host_issue_cost_decides_a_step_of_tiny_ops_and_not_one_of_big_ones():
     constants = constants_for(PROFILES["h100-sxm"])
     tiny = step_time(_gemm(1e6, count=1000), constants)
@@ -81,7 +85,10 @@ def test_the_host_issue_cost_decides_a_step_of_tiny_ops_and_not_one_of_big_ones(
     assert tiny.issue_s <= tiny.step_s <= tiny.issue_s + busy
     assert tiny.overhead_s > 0.5 * tiny.step_s
     big = step_time(_gemm(1e13, count=10), constants)
-    assert big.issue_s < 0.01 * big.step_s and big.overhead_s < 1e-3 * big.step_s  # hidden behind the kernels
+    # The host costs the big step under 1% (the fitted overlap decides how much of its issue time still shows:
+    # at p = 1.03, fitted 2026-12-07, most of it, 0.12% of the step; at 1.13 it was under 0.1%).
+    assert big.issue_s < 0.01 * big.step_s and big.overhead_s < 0.01 * big.step_s
+    assert big.step_s < busy_of(big) + big.issue_s  # and some of it overlaps the kernels
 
 
 def test_a_profile_without_a_measured_matmul_rate_is_derated_by_generation_and_says_so():
@@ -147,11 +154,14 @@ def test_amd_gpus_are_costed_with_amd_constants_never_nvidias_fit():
 
 
 def test_amd_bandwidth_priors_come_from_amd_stream_measurements_per_generation():
-    # BabelStream: MI300X 0.77 of its datasheet, an MI250X GCD 0.81; eager kernels at 0.70 of a stream kernel.
+    # BabelStream: MI300X 0.77 of its datasheet, an MI250X GCD 0.81; eager kernels at the share of a stream kernel
+    # that NVIDIA's fitted eager efficiency is of the H100's BabelStream 0.89 (a refit that moves it fails here
+    # until the AMD priors are rederived).
     mi300x, mi250x = constants_for(PROFILES["mi300x"]).gpu, constants_for(PROFILES["mi250x"]).gpu
     assert (mi300x.stream_bandwidth_efficiency, mi250x.stream_bandwidth_efficiency) == (0.77, 0.81)
+    eager_share = constants_for(PROFILES["h100-sxm"]).gpu.bandwidth_efficiency / 0.89
     for gpu in (mi300x, mi250x):
-        assert gpu.bandwidth_efficiency == pytest.approx(gpu.stream_bandwidth_efficiency * 0.70, abs=0.005)
+        assert gpu.bandwidth_efficiency == pytest.approx(gpu.stream_bandwidth_efficiency * eager_share, abs=0.01)
     assert constants_for(PROFILES["mi250x"]).key == "amd.cdna2" and mi250x.matmul_derating == 0.767
 
 
@@ -216,6 +226,31 @@ def test_an_op_that_takes_only_a_tensors_shape_reads_none_of_its_data():
         weight.new_zeros(8), torch.zeros_like(weight[0])
     # Allocations launch nothing; a fill writes its output only: 8 floats, then one 4 MiB matrix.
     assert sorted(shape.bytes for shape in costs.ops) == [32.0, 4 * 2**20]
+
+
+def test_a_training_batch_norm_reads_its_data_twice_and_an_eval_one_once():
+    from harness.project.op_costs import _OpCostMode
+
+    norm = torch.nn.BatchNorm2d(64)
+    x = torch.randn(8, 64, 32, 32, requires_grad=True)
+    grad, tensor = torch.ones_like(x), x.numel() * 4
+
+    def norm_bytes(training: bool) -> tuple[float, float]:
+        norm.train(training)
+        with _OpCostMode() as costs:
+            y = norm(x)
+            costs.phase = "backward"
+            if training:
+                y.backward(grad)
+        big = {phase: sum(s.bytes * n for s, n in costs.ops.items() if s.phase == phase and s.bytes > tensor / 2)
+               for phase in ("forward", "backward")}
+        return big["forward"], big["backward"]
+
+    # Training: statistics, then normalisation (x read twice, y written); backward: a reduction over dy and x,
+    # then dx (each read twice, dx written). Eval: x read once with the running statistics, y written.
+    forward, backward = norm_bytes(True)
+    assert forward == pytest.approx(3 * tensor, rel=0.01) and backward == pytest.approx(5 * tensor, rel=0.01)
+    assert norm_bytes(False)[0] == pytest.approx(2 * tensor, rel=0.01)
 
 
 def test_matmul_reshaping_its_result_moves_no_bytes():

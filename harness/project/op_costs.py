@@ -97,6 +97,32 @@ _ONE_KERNEL = {getattr(torch.ops.aten, name) for name in ("_fused_rms_norm", "_f
 WEIGHT_ONLY_LINEARS = ("headroom.weight_only_linear", "headroom.tinygemm_linear")
 
 
+# Training batch norm reads its input twice: a pass for the channel statistics, then the normalisation
+# (PyTorch's CUDA kernels, aten/src/ATen/native/cuda/Normalization.cuh: batch_norm_stats, then
+# batch_norm_elemt), and its backward reads the input and the output's gradient twice (batch_norm_backward_reduce,
+# then batch_norm_backward_elemt): a channel's values over the whole batch do not fit on chip, so a reduction
+# precedes every elementwise pass. (An eval-mode norm, with running statistics, reads its input once.)
+# op -> the positions of the tensors read once more; `training`/`train` in its schema says which mode runs.
+_TWO_PASS_NORMS = {
+    "aten.native_batch_norm": (0,), "aten._native_batch_norm_legit": (0,), "aten.cudnn_batch_norm": (0,),
+    "aten.native_batch_norm_backward": (0, 1), "aten.cudnn_batch_norm_backward": (0, 1),
+}
+
+
+def second_pass_bytes(name: str, func, args, kwargs) -> int:
+    """Bytes a training batch norm (or its backward) reads in its second pass over the data; 0 for others."""
+    positions = _TWO_PASS_NORMS.get(name)
+    if not positions:
+        return 0
+    names = [argument.name for argument in func._schema.arguments]
+    flag = next((name for name in ("training", "train") if name in names), None)
+    if flag is None:
+        return 0
+    index = names.index(flag)
+    training = args[index] if index < len(args) else kwargs.get(flag, False)
+    return sum(nbytes(args[i]) for i in positions if isinstance(args[i], torch.Tensor)) if training else 0
+
+
 # PyTorch's multi_tensor_apply (the foreach kernels of the optimizer step) launches a kernel when a
 # chunk list fills: at most 110..30 tensors (fewer with more lists per op; 64 is the middle) or 320
 # blocks of 65,536 elements (aten/src/ATen/native/cuda/MultiTensorApply.cuh).
@@ -259,6 +285,7 @@ class _OpCostMode(TorchDispatchMode):
             moved = sum(nbytes(t) for t in inputs + outputs)
         if name == "headroom.routed_expert_mm":
             moved = _routed_expert_bytes(args, outputs[0])
+        moved += second_pass_bytes(name, func, args, kwargs)
         kernels = foreach_kernels(args) if multi_tensor else 1
         nchw = _nchw(inputs + outputs) if op_class(name) == "conv" else []
         shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
