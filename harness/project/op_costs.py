@@ -103,9 +103,9 @@ WEIGHT_ONLY_LINEARS = ("headroom.weight_only_linear", "headroom.tinygemm_linear"
 # then batch_norm_backward_elemt): a channel's values over the whole batch do not fit on chip, so a reduction
 # precedes every elementwise pass. (An eval-mode norm, with running statistics, reads its input once.)
 # op -> the positions of the tensors read once more; `training`/`train` in its schema says which mode runs.
+# (The projection traces on the CPU, so cuDNN's batch-norm ops, chosen on CUDA only, never reach this table.)
 _TWO_PASS_NORMS = {
-    "aten.native_batch_norm": (0,), "aten._native_batch_norm_legit": (0,), "aten.cudnn_batch_norm": (0,),
-    "aten.native_batch_norm_backward": (0, 1), "aten.cudnn_batch_norm_backward": (0, 1),
+    "aten.native_batch_norm": (0,), "aten._native_batch_norm_legit": (0,), "aten.native_batch_norm_backward": (0, 1),
 }
 
 
