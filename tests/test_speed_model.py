@@ -71,10 +71,6 @@ def test_unaligned_gemms_run_slower_than_aligned_ones():
     assert step_time(_gemm(1e12, aligned=False), constants).step_s > 1.5 * step_time(_gemm(1e12), constants).step_s
 
 
-def busy_of(time) -> float:
-    return time.compute_s + time.memory_s + time.launch_s
-
-
 def test_the_host_issue_cost_decides_a_step_of_tiny_ops_and_not_one_of_big_ones():
     constants = constants_for(PROFILES["h100-sxm"])
     tiny = step_time(_gemm(1e6, count=1000), constants)
@@ -88,7 +84,7 @@ def test_the_host_issue_cost_decides_a_step_of_tiny_ops_and_not_one_of_big_ones(
     # The host costs the big step under 1% (the fitted overlap decides how much of its issue time still shows:
     # at p = 1.03, fitted 2026-12-07, most of it, 0.12% of the step; at 1.13 it was under 0.1%).
     assert big.issue_s < 0.01 * big.step_s and big.overhead_s < 0.01 * big.step_s
-    assert big.step_s < busy_of(big) + big.issue_s  # and some of it overlaps the kernels
+    assert big.overhead_s < big.issue_s  # and some of it overlaps the kernels
 
 
 def test_a_profile_without_a_measured_matmul_rate_is_derated_by_generation_and_says_so():
