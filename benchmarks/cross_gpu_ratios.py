@@ -6,9 +6,11 @@ throughput on one GPU, all measured by one party with one program (Lambda's deep
 NVIDIA DeepLearningExamples in NGC containers: lambdal/deeplearning-benchmark, files
 pytorch/pytorch-train-throughput-fp16.csv and -fp32.csv at commit 0551cb70, single-GPU rows; its "fp32"
 runs in NGC containers, where fp32 matmuls and convolutions take TF32 on Ampere and later, so those rows
-are compared with the `tf32` technique). Dividing by the same program's figure on the reference GPU
-cancels what headroom does not model about that program (its data loader, its fusions, its batch),
-leaving what the projection must get right: how the GPUs differ.
+are compared with the `tf32` technique). Each row is projected at the batch Lambda ran on that GPU (its
+pytorch-train-bs-fp16.csv and -fp32.csv at the same commit: smaller on the 24 GB A10 and the 40 GB A100
+than on 80 GB parts). Dividing by the same program's figure on the reference GPU cancels what headroom
+does not model about that program (its data loader, its fusions), leaving what the projection must get
+right: how the GPUs differ.
 
 These rows are held out: `projection_calibration.py` never reads this file, so nothing here is fitted and
 the error printed is an honest out-of-sample error. Do not tune constants against it; add rows instead.

@@ -47,3 +47,12 @@ def test_the_held_out_rows_are_never_fitted_and_each_names_its_source_gpu():
     frame = pd.read_csv(ratios.HELD_OUT)
     assert frame["lambda_name"].str.len().gt(3).all()
     assert (frame.groupby("label")["gpu"].apply(lambda gpus: "a100-sxm4-80gb" in set(gpus))).all()
+
+
+def test_each_held_out_row_is_projected_at_the_batch_lambda_ran_on_that_gpu():
+    # Lambda shrinks the batch to the card's memory (pytorch-train-bs-*.csv): a uniform batch would compare
+    # a 24 GB A10 at a batch it never ran, which is how the A10 BERT rows once showed +52%.
+    frame = pd.read_csv(ratios.HELD_OUT).set_index(["label", "gpu"])["batch_size"]
+    for label in ("ResNet-50 AMP", "BERT-large TF32 s384"):
+        assert frame[(label, "a10")] < frame[(label, "a100-pcie-40gb")] < frame[(label, "a100-sxm4-80gb")]
+    assert frame[("BERT-large AMP s384", "h100-sxm")] == frame[("BERT-large AMP s384", "a100-sxm4-80gb")] == 112
