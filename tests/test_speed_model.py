@@ -15,7 +15,7 @@ from harness.profiles import load_profiles
 from harness.project import project, project_outcome, traced
 from harness.project.depth import traced_to_depth
 from harness.project.op_costs import foreach_kernels
-from harness.project.roofline import ISSUERS, OpArrays, estimate, op_arrays, step_time
+from harness.project.roofline import ISSUERS, OpArrays, achievable_rate, estimate, op_arrays, step_time
 from harness.project.speed_constants import constants_for
 from harness.project.speed_fit import SpeedPoint, fit, held_out, projected_s
 from suites.step import tf32_matmuls
@@ -96,6 +96,25 @@ def test_a_profile_without_a_measured_matmul_rate_is_derated_by_generation_and_s
     # h100-sxm has a measured bf16 rate: an amp-bf16 projection's note does not claim a derating for bf16.
     amp = estimate(traced(_cell(technique="amp-bf16")), PROFILES["h100-sxm"])
     assert not any("bf16 on h100-sxm" in note for note in amp.notes)
+
+
+def test_an_unmeasured_tensor_core_rate_takes_the_share_its_measured_bf16_reaches_and_says_so():
+    a100 = PROFILES["a100-sxm4-80gb"]  # bf16 measured (MAMF), tf32 not
+    rate, borrowed = achievable_rate(a100, "tf32")
+    assert borrowed == "bf16"
+    assert rate == pytest.approx(a100.peak("tf32") * a100.achievable_flops["bf16"] / a100.peak("bf16"))
+    # A measured figure wins over the share; fp32 on CUDA cores borrows nothing; no sibling, no share.
+    assert achievable_rate(PROFILES["l4"], "tf32") == (PROFILES["l4"].achievable_flops["tf32"], None)
+    assert np.isnan(achievable_rate(a100, "fp32")[0])
+    assert np.isnan(achievable_rate(PROFILES["a10"], "tf32")[0])
+    tf32 = estimate(traced(_cell(technique="tf32", gpu="a100-sxm4-80gb")), a100, tf32_matmul=True)
+    assert any("tf32 at the share of its datasheet that the measured bf16 reaches" in note for note in tf32.notes)
+    # A 72 W L4 reaches 0.59 of its bf16 datasheet where a generation's derating would give it 0.80: its
+    # matmuls take 0.80 / 0.59 = 1.37x as long with the measured rate as derated.
+    l4 = PROFILES["l4"]
+    derated = dataclasses.replace(l4, achievable_flops={})
+    trace = traced(_cell(technique="amp-bf16", gpu="l4", batch=16))
+    assert estimate(trace, l4).compute_s > 1.3 * estimate(trace, derated).compute_s
 
 
 def test_convolutions_pay_the_conv_efficiency_on_tensor_cores_only():

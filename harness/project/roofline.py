@@ -2,7 +2,8 @@
 time and the host's issue time of each step phase are combined.
 
 - Compute: an op's FLOPs at the *achievable* rate of its dtype (a profile's measured best GEMM, else the
-  datasheet derated by generation), times its class's efficiency (convolutions on tensor cores; fused
+  share of its datasheet a measured sibling tensor-core dtype reaches, else the datasheet derated by
+  generation), times its class's efficiency (convolutions on tensor cores; fused
   attention, which on Hopper and Blackwell runs an Ampere-era kernel at a smaller share still), on a
   saturation curve: a GEMM of f FLOPs runs at rate * f / (f + f_half), f_half growing with the SM
   count (small GEMMs leave SMs idle), so it takes (f + f_half) / rate; a decode step's skinny matmuls and
@@ -96,6 +97,28 @@ class OpArrays:
     tinygemm: np.ndarray | None = None  # bool: torchao's int4 tinygemm matmul (its own rate)
 
 
+# Tensor-core dtypes whose unmeasured rate is read off a measured sibling's share of its datasheet.
+_SHARED_TENSOR_RATES = ("bf16", "fp16", "tf32")
+
+
+def achievable_rate(profile, name: str) -> tuple[float, str | None]:
+    """The achievable FLOP/s of `name` on `profile` and, where it is borrowed, the dtype it is borrowed from.
+
+    A measured figure wins. Else a 16-bit or TF32 rate takes the share of its datasheet that the profile's
+    measured bf16 (or fp16) reaches: the same tensor cores at the same power-limited clocks. Measured
+    pairs bear it out within 10%: TF32's share over bf16's is 1.01 on an H100 SXM, 0.97 on an H100 PCIe,
+    0.98 on an H800 PCIe, 0.92 on an A100 PCIe 40GB, 0.90 on an L4 (zzc0721/torch-performance-test-data
+    @9d82827), where a generation's derating would miss that an L4 (72 W) reaches 0.59 of its bf16
+    datasheet and an A100 SXM 0.87. nan where nothing measured applies (the caller derates by generation)."""
+    if name in profile.achievable_flops:
+        return profile.achievable_flops[name], None
+    if name in _SHARED_TENSOR_RATES and profile.peak(name):
+        for sibling in ("bf16", "fp16"):
+            if sibling in profile.achievable_flops and profile.peak(sibling):
+                return profile.peak(name) * profile.achievable_flops[sibling] / profile.peak(sibling), sibling
+    return np.nan, None
+
+
 def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tuple[str, ...] = PHASES) -> OpArrays:
     """The trace's ops in `phases` on `profile` (`tf32_matmul`: fp32 matmuls on TF32 tensor cores)."""
     rows = [(shape, count) for shape, count in trace.ops.items() if shape.phase in phases]
@@ -108,11 +131,15 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
             continue
         name = peak_name(profile, shape.dtype, convolution=shape.op_class == "conv", tf32_matmul=tf32_matmul)
         simt.append(name == "fp32" and profile.vendor == "nvidia")  # AMD runs fp32 on its matrix cores
-        achievable.append(profile.achievable_flops.get(name, np.nan) if name else np.nan)
+        achievable.append(achievable_rate(profile, name)[0] if name else np.nan)
         datasheet.append(profile.peak(name) or np.nan if name else np.nan)
     notes = []
-    used = {peak_name(profile, s.dtype, s.op_class == "conv", tf32_matmul) for s, _ in rows if s.flops}
-    derated = sorted(n for n in used if n and n not in profile.achievable_flops)
+    used = sorted({peak_name(profile, s.dtype, s.op_class == "conv", tf32_matmul) for s, _ in rows if s.flops} - {None})
+    shared = [f"{n} at the share of its datasheet that the measured {achievable_rate(profile, n)[1]} reaches"
+              for n in used if n not in profile.achievable_flops and achievable_rate(profile, n)[1]]
+    derated = [n for n in used if np.isnan(achievable_rate(profile, n)[0])]
+    if shared:
+        notes.append(f"no measured matmul rate for {'; '.join(shared)} on {profile.id}")
     if derated:
         notes.append(f"no measured matmul rate for {', '.join(derated)} on {profile.id}: "
                      "datasheet derated by generation")
