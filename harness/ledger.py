@@ -244,6 +244,17 @@ def unfitted_interval(projected: float, why: str = "speed constants not fitted f
                     f"{why}: x1/{NO_PAIRS_FACTOR:g} to x{NO_PAIRS_FACTOR:g}")
 
 
+def decode_interval(projected: float, decode_fit: dict) -> Interval:
+    """The interval of a one-row compiled generation on a GPU whose decode constants were fitted: as wide as
+    the decode fit's worst error on published decodes it did not see, either way (decode_fit.toml: its fit
+    rows left out by model, and the held-out rows it never saw)."""
+    worst = max(decode_fit["held_out_worst_abs_error"], decode_fit.get("held_out_rows_worst_abs_error", 0.0))
+    rows = int(decode_fit["rows"]) + int(decode_fit.get("held_out_rows", 0))
+    return Interval(projected / (1 + worst), projected * (1 + worst), rows,
+                    f"{rows} published one-row compiled decodes (benchmarks/decode_calibration.py): "
+                    f"their worst held-out error, {worst:.0%}, either way")
+
+
 @cache
 def shipped_ledger() -> pd.DataFrame:
     """The package's ledger, read once per process."""

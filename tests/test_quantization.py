@@ -343,6 +343,8 @@ def test_a_projection_traces_tinygemms_bf16_matmul_and_bytes_where_the_gpu_would
         ampere(x), turing(x)
     matmuls = [s for s in costs.ops if s.op_class == "matmul"]
     assert sorted((s.dtype, s.tinygemm) for s in matmuls) == [("bfloat16", True), ("float32", False)]
+    # Both read a packed int4 weight: served, they stream it at the int4 share of the stream rate.
+    assert {s.weight_bits for s in matmuls} == {4}
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -51,7 +51,7 @@ def _no_host(constants):
 def _only(ops: OpArrays, selected: np.ndarray) -> OpArrays:
     """The model's input cut down to the `selected` ops (the per-op columns; the device's figures stay)."""
     columns = ("count", "flops", "bytes", "kernels", "phase", "issuer", "aligned", "op_class", "fused", "simt",
-               "achievable", "datasheet", "streaming", "nchw_bytes", "nchw_tensors", "tinygemm")
+               "achievable", "datasheet", "streaming", "nchw_bytes", "nchw_tensors", "tinygemm", "weight_bits")
     return dataclasses.replace(ops, **{name: getattr(ops, name)[selected] for name in columns})
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from harness.cell import ResolvedCell
-from harness.ledger import interval, shipped_ledger, unfitted_interval
+from harness.ledger import decode_interval, interval, shipped_ledger, unfitted_interval
 from harness.outcome import MemoryFigures, Outcome, ServingFigures, SpeedFigures, failure
 from harness.project.depth import traced_to_depth
 from harness.project.memory import MemoryProjection, MiB, project_memory
@@ -32,7 +32,7 @@ from harness.project.search import (
     smallest_batch,
 )
 from harness.project.serving import GenerationTime, generation_time
-from harness.project.speed_constants import fit_provenance
+from harness.project.speed_constants import constants_for, decode_fit_provenance, fit_provenance
 from harness.project.trace import StepTrace, traced
 from harness.project.variable_length import project_loop
 from suites.techniques import Unsupported
@@ -110,8 +110,14 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         # narrower than its held-out worst (the bias across generations is what the fit saw least of).
         if projection.generation is not None:
             # The ledger's pairs are training and one-pass inference steps: none says how far off a
-            # projected prefill + decode is.
-            bar = unfitted_interval(step.step_s * 1e3, "no generation (prefill + decode) measured yet")
+            # projected prefill + decode is. Published one-row compiled decodes do (decode_fit.toml), for a
+            # vendor whose decode constants were fitted on them; other batches and eager decodes were never judged.
+            decode_fit = decode_fit_provenance()
+            judged = (decode_fit and cell.batch_size == 1 and projection.trace.compiled
+                      and constants_for(cell.profile.per_device()).gpu.decode_fitted)
+            bar = (decode_interval(step.step_s * 1e3, decode_fit) if judged else
+                   unfitted_interval(step.step_s * 1e3, "no generation (prefill + decode) of this kind measured "
+                                     "(published decodes judge one-row compiled ones on NVIDIA GPUs)"))
         elif step.fitted:
             bar = interval(step.step_s * 1e3, measured_column="measured_step_ms", projected_column="projected_step_ms",
                            floor=fit.get("held_out_median_abs_error", 0.0),

@@ -146,19 +146,20 @@ def _extrapolated_ops(a: dict[OpShape, int], b: dict[OpShape, int], lin) -> dict
         count = round(lin(a[shape], b[shape]))
         if count > 0:
             out[shape] = count
-    totals: dict[tuple[str, str, str, str, bool, bool, bool], list[list[float]]] = {}
+    totals: dict[tuple[str, str, str, str, bool, bool, bool, int], list[list[float]]] = {}
     for index, ops in enumerate((a, b)):
         for shape, count in ops.items():
             if shape in a and shape in b:
                 continue
-            kind = (shape.phase, shape.op_class, shape.dtype, shape.issuer, shape.aligned, shape.fused, shape.tinygemm)
+            kind = (shape.phase, shape.op_class, shape.dtype, shape.issuer, shape.aligned, shape.fused, shape.tinygemm,
+                    shape.weight_bits)
             group = totals.setdefault(kind, [[0.0] * 4, [0.0] * 4])[index]
             for position, value in enumerate((count, shape.flops * count, shape.bytes * count, shape.kernels * count)):
                 group[position] += value
-    for (phase, op_class, dtype, issuer, aligned, fused, tinygemm), (x, y) in totals.items():
+    for (phase, op_class, dtype, issuer, aligned, fused, tinygemm, weight_bits), (x, y) in totals.items():
         count, flops, moved, kernels = (max(0.0, lin(u, v)) for u, v in zip(x, y, strict=True))
         if round(count) > 0:
             shape = OpShape(phase, op_class, dtype, flops / count, moved / count, max(1, round(kernels / count)),
-                            issuer, aligned, fused, tinygemm=tinygemm)
+                            issuer, aligned, fused, tinygemm=tinygemm, weight_bits=weight_bits)
             out[shape] = out.get(shape, 0) + round(count)
     return out

@@ -59,6 +59,9 @@ class OpShape:
     nchw_bytes: float = 0.0
     nchw_tensors: int = 0
     tinygemm: bool = False  # torchao's int4 tinygemm matmul, costed at its own rate (speed_constants.toml)
+    # A weight-only matmul's packed weight bits (8 or 4; 0 for every other op): a served decoder streams such
+    # a weight slower than a bf16 one, as its kernel dequantises on the way (speed_constants.toml)
+    weight_bits: int = 0
 
 
 def op_class(name: str) -> str:
@@ -290,7 +293,8 @@ class _OpCostMode(TorchDispatchMode):
         nchw = _nchw(inputs + outputs) if op_class(name) == "conv" else []
         shape = OpShape(self.phase, op_class(name), dtype, float(flops), float(moved), kernels, _issuer(self.phase),
                         _aligned(name, args, outputs, dtype), fusing, float(sum(nbytes(t) for t in nchw)), len(nchw),
-                        tinygemm=name == "headroom.tinygemm_linear")
+                        tinygemm=name == "headroom.tinygemm_linear",
+                        weight_bits=int(args[3]) if name in WEIGHT_ONLY_LINEARS else 0)
         self.ops[shape] += 1
         return out
 

@@ -95,6 +95,7 @@ class OpArrays:
     nchw_tensors: np.ndarray | None = None
     vendor: str = ""
     tinygemm: np.ndarray | None = None  # bool: torchao's int4 tinygemm matmul (its own rate)
+    weight_bits: np.ndarray | None = None  # a weight-only matmul's packed weight bits (8, 4), else 0
 
 
 # Tensor-core dtypes whose unmeasured rate is read off a measured sibling's share of its datasheet.
@@ -164,7 +165,7 @@ def op_arrays(trace: StepTrace, profile, tf32_matmul: bool = False, phases: tupl
         host=trace.host if "optimizer" in phases else None, host_link_bytes_s=host_link_bytes_s(profile),
         notes=notes, nchw_bytes=column([s.nchw_bytes for s, _ in rows]),
         nchw_tensors=column([s.nchw_tensors for s, _ in rows]), vendor=profile.vendor,
-        tinygemm=column([s.tinygemm for s, _ in rows], bool))
+        tinygemm=column([s.tinygemm for s, _ in rows], bool), weight_bits=column([s.weight_bits for s, _ in rows], int))
 
 
 def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
@@ -198,10 +199,22 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     if ops.streaming is not None and ops.streaming.any():
         # No decode has been fitted: the stream efficiency is a prior, and a measured copy rate replaces it.
         stream = ops.achievable_bandwidth or (ops.bandwidth * gpu.stream_bandwidth_efficiency)
-        memory = np.where(ops.streaming, ops.bytes / stream, memory)
+        # A weight-only kernel streams its packed weight slower than a bf16 matmul streams its own: it unpacks
+        # and scales every element on the way (torchao's one-row decodes: speed_constants.toml).
+        share = np.ones(len(ops.count))
+        if ops.weight_bits is not None:
+            share = np.select([ops.weight_bits == 8, ops.weight_bits == 4],
+                              [gpu.int8_weight_stream_share, gpu.int4_weight_stream_share], 1.0)
+        memory = np.where(ops.streaming, ops.bytes / (stream * share), memory)
+        fitted_or_prior = "fitted" if gpu.decode_fitted else "prior"
         streamed_at = ("the measured copy rate" if ops.achievable_bandwidth else
-                       f"{gpu.stream_bandwidth_efficiency:.2f} of the datasheet bandwidth (prior)")
+                       f"{gpu.stream_bandwidth_efficiency:.2f} of the datasheet bandwidth ({fitted_or_prior})")
         notes.append(f"prefill/decode matmuls and attention stream at {streamed_at}")
+        for bits in (8, 4):
+            if ops.weight_bits is not None and (ops.streaming & (ops.weight_bits == bits)).any():
+                notes.append(f"int{bits} weight-only matmuls stream their packed weights at "
+                             f"{getattr(gpu, f'int{bits}_weight_stream_share'):.2f} of that rate ({fitted_or_prior}): "
+                             "they dequantise on the way")
     # The saturation curve's cost, f_half / rate, is the time an under-filled wave of output tiles leaves SMs
     # idle. A decode step's matmuls are a few rows (the batch) by a weight, and its attention one query by the
     # cache: cuBLAS runs such skinny shapes as GEMV or split-K kernels, and SDPA splits the cache's keys

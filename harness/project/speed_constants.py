@@ -1,7 +1,8 @@
 """The speed model's constants: per GPU vendor and architecture generation, and for the host that issues
 the ops. `speed_constants.toml` holds the priors, each with its source; `speed_fit.toml` (written by
 `benchmarks/projection_calibration.py --fit --write`, with the data it was fitted on and its held-out
-error) overrides the constants it fitted.
+error) overrides the constants it fitted; `decode_fit.toml` (written by `benchmarks/decode_calibration.py
+--write`) then overrides a served decoder's streaming constants, fitted on published decodes.
 
 A generation's table inherits its vendor's and overrides what differs; a generation or vendor nobody
 fitted says so (`fitted` false), and projected rows carry that note. AMD parts are never costed with
@@ -17,6 +18,7 @@ from pathlib import Path
 
 CONSTANTS_FILE = Path(__file__).with_name("speed_constants.toml")
 FIT_FILE = Path(__file__).with_name("speed_fit.toml")
+DECODE_FIT_FILE = Path(__file__).with_name("decode_fit.toml")
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,11 @@ class GpuConstants:
     bandwidth_efficiency: float  # achievable / datasheet bandwidth where no measured figure exists
     matmul_derating: float       # achievable / datasheet matmul rate where no measured figure exists
     # achievable / datasheet bandwidth of the long sequential reads of a served decoder's matmuls (weights)
-    # and attention (KV cache), where no measured copy rate exists; not fitted (no decode measured yet)
+    # and attention (KV cache), where no measured copy rate exists (fitted by benchmarks/decode_calibration.py)
     stream_bandwidth_efficiency: float = 0.85
+    # the share of that stream rate a weight-only matmul reaches on its packed int8 / int4 weight (dequantising)
+    int8_weight_stream_share: float = 1.0
+    int4_weight_stream_share: float = 1.0
     # Fused attention's efficiency on tensor cores on this generation relative to Ampere's (PyTorch's
     # kernels, FlashAttention-2 and the memory-efficient one, were written for Ampere); a prior with its
     # source in speed_constants.toml, not fitted
@@ -41,6 +46,7 @@ class GpuConstants:
     # speed_constants.toml, not fitted)
     tinygemm_efficiency: float = 1.0
     fitted: bool = False         # whether these came from a fit on measurements of this vendor
+    decode_fitted: bool = False  # whether the three decode constants above came from a fit (decode_fit.toml)
 
 
 @dataclass(frozen=True)
@@ -78,12 +84,13 @@ def _merged(base: dict, over: dict) -> dict:
 
 
 @cache
-def _tables(path: Path = CONSTANTS_FILE, fitted: Path | None = FIT_FILE) -> dict:
+def _tables(path: Path = CONSTANTS_FILE, fitted: Path | None = FIT_FILE, decode: Path | None = DECODE_FIT_FILE) -> dict:
     with open(path, "rb") as handle:
         data = tomllib.load(handle)
-    if fitted is not None and fitted.exists():
-        with open(fitted, "rb") as handle:
-            data = _merged(data, tomllib.load(handle))
+    for over in (fitted, decode):
+        if over is not None and over.exists():
+            with open(over, "rb") as handle:
+                data = _merged(data, tomllib.load(handle))
     return data
 
 
@@ -91,11 +98,12 @@ def _gpu(table: dict) -> dict:
     return {f.name: table[f.name] for f in fields(GpuConstants) if f.name in table}
 
 
-def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path | None = FIT_FILE) -> SpeedConstants:
+def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path | None = FIT_FILE,
+                  decode: Path | None = DECODE_FIT_FILE) -> SpeedConstants:
     """The constants for `profile`'s vendor and generation; for a vendor nobody fitted, a calibrated
     profile's measured kernel floor and issue cost replace the priors. `fitted=None`: the priors alone
-    (what a fit is pulled towards)."""
-    data = _tables(path, fitted)
+    (what a fit is pulled towards), decode's too; `decode=None`: the decode terms at their priors."""
+    data = _tables(path, fitted, decode if fitted is not None else None)
     vendor_table = data["gpu"].get(profile.vendor, data["gpu"]["default"])
     values = _gpu(data["gpu"]["default"]) | _gpu(vendor_table)
     key = profile.vendor if profile.vendor in data["gpu"] else "default"
@@ -123,3 +131,8 @@ def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path | None = FI
 def fit_provenance() -> dict:
     """What the constants were fitted on and their held-out error (the [fit] table)."""
     return dict(_tables().get("fit", {}))
+
+
+def decode_fit_provenance() -> dict:
+    """What the decode constants were fitted on and their held-out error (decode_fit.toml's [decode_fit])."""
+    return dict(_tables().get("decode_fit", {}))
