@@ -36,7 +36,7 @@ from harness.project.decode_fit import (
     projected_tokens_s,
 )
 from harness.project.roofline import op_arrays
-from harness.project.speed_constants import DECODE_FIT_FILE, constants_for
+from harness.project.speed_constants import DECODE_FIT_FILE, constants_for, training_fit_digest
 
 DATA = Path(__file__).with_name("data") / "published_decode.csv"
 # gpt-fast's and torchao's generate.py: a short prompt ("Hello, my name is": 5 tokens), 200 new tokens,
@@ -129,6 +129,8 @@ def write(fitted: dict[str, float], points: list[DecodePoint], left_out: dict[st
                        "held_out_rows_median_abs_error": round(statistics.median(abs(e) for e in held), 4),
                        "held_out_rows_worst_abs_error": round(max(abs(e) for e in held), 4),
                        "method": "least squares on log(projected / published tokens/s); held-out = leave one model out",
+                       # the training fit it was fitted with (speed_fit.toml): refit this after refitting that
+                       "training_fit_digest": training_fit_digest(),
                        "sources": sorted(set(frame.loc[frame["set"] == "fit", "source"]))},
         "gpu": {FITTED_VENDOR: {**{name: round(value, 4) for name, value in fitted.items()}, "decode_fitted": True}}}
     header = ("# Written by benchmarks/decode_calibration.py --write: a served decoder's streaming constants,\n"

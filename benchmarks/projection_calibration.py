@@ -83,7 +83,8 @@ def ledger_points(profiles) -> list[SpeedPoint]:
                              row["batch_size"], row["seq_len"], row["mode"], profiles, row["measured_step_ms"] / 1e3,
                              f"ledger: {row['device_name']}, torch {row['torch_version']}", one_forward=served))
     if generations:
-        print(f"{generations} ledger pairs of whole generations left out of the fit: it has no decode term yet")
+        print(f"{generations} ledger pairs of whole generations left out of the fit: decode is fitted apart, on "
+              "published decodes (benchmarks/decode_calibration.py)")
     return points
 
 

@@ -245,12 +245,13 @@ def unfitted_interval(projected: float, why: str = "speed constants not fitted f
 
 
 def decode_interval(projected: float, decode_fit: dict) -> Interval:
-    """The interval of a one-row compiled generation on a GPU whose decode constants were fitted: as wide as
-    the decode fit's worst error on published decodes it did not see, either way (decode_fit.toml: its fit
-    rows left out by model, and the held-out rows it never saw)."""
+    """The interval of a generation of the kind published decodes judge (harness/project/__init__.py): as
+    wide as the decode fit's worst error on published decodes it did not see, either way (decode_fit.toml: its
+    fit rows left out by model, and the held-out rows it never saw). An error e in tokens/s is a measured time
+    of (1 + e) times the projected one, so the band is projected x (1 - worst) to x (1 + worst)."""
     worst = max(decode_fit["held_out_worst_abs_error"], decode_fit.get("held_out_rows_worst_abs_error", 0.0))
     rows = int(decode_fit["rows"]) + int(decode_fit.get("held_out_rows", 0))
-    return Interval(projected / (1 + worst), projected * (1 + worst), rows,
+    return Interval(projected * (1 - worst), projected * (1 + worst), rows,
                     f"{rows} published one-row compiled decodes (benchmarks/decode_calibration.py): "
                     f"their worst held-out error, {worst:.0%}, either way")
 

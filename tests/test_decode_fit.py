@@ -22,7 +22,7 @@ from harness.project.decode_fit import (
     projected_tokens_s,
 )
 from harness.project.roofline import ISSUERS, PHASES, OpArrays, step_time
-from harness.project.speed_constants import constants_for, decode_fit_provenance
+from harness.project.speed_constants import constants_for, decode_fit_provenance, training_fit_digest
 from suites.techniques import parse_stack
 
 PROFILES = load_profiles()
@@ -89,20 +89,31 @@ def test_held_out_errors_come_from_a_fit_that_never_saw_the_model():
 
 
 def test_a_share_no_point_uses_is_not_fitted_and_keeps_its_prior():
-    points = [_point("small", 0), _point("small", 8)]
+    points = _measured([_point("small", 0), _point("small", 8), _point("large", 0)], TRUTH)
     assert parameter_names(points) == [STREAM, "int8_weight_stream_share"]
-    prior = points[0].constants.gpu.int4_weight_stream_share
-    assert constants_with(points[0], {STREAM: 0.5}).gpu.int4_weight_stream_share == prior
+    fitted = fit(points, {STREAM: 0.85, "int8_weight_stream_share": 1.0})
+    assert set(fitted) == {STREAM, "int8_weight_stream_share"}
+    constants = constants_with(points[0], fitted).gpu
+    assert constants.int4_weight_stream_share == points[0].constants.gpu.int4_weight_stream_share
+    assert constants.stream_bandwidth_efficiency == pytest.approx(TRUTH[STREAM], rel=1e-3)
 
 
 def test_the_shipped_decode_fit_replaces_the_priors_for_nvidia_only():
     fitted, prior = constants_for(A100).gpu, constants_for(A100, decode=None).gpu
     assert fitted.decode_fitted and not prior.decode_fitted
+    assert not constants_for(A100, fitted=None).gpu.decode_fitted  # the training fit's priors carry no decode fit
     assert prior.stream_bandwidth_efficiency == 0.85 and prior.int4_weight_stream_share == 1.0
     # Weight-only kernels stream slower than bf16 matmuls, int4 (tinygemm unpacks nibbles) slowest.
     assert fitted.int4_weight_stream_share < fitted.int8_weight_stream_share < 1.0
     assert decode_fit_provenance()["rows"] >= 6
-    assert not constants_for(PROFILES["mi300x"]).gpu.decode_fitted  # AMD keeps its priors
+    mi300x = PROFILES["mi300x"]  # AMD keeps its priors, whatever NVIDIA's decode fit says
+    assert constants_for(mi300x) == constants_for(mi300x, decode=None)
+
+
+def test_the_decode_fit_was_fitted_with_the_training_fit_in_use():
+    # The decode fit stands on the training fit's kernel and bandwidth constants: refit it after refitting those.
+    assert decode_fit_provenance()["training_fit_digest"] == training_fit_digest(), (
+        "speed_fit.toml changed since the decode fit: run python benchmarks/decode_calibration.py --write")
 
 
 def test_the_published_decodes_name_valid_cells_and_the_fit_rows_one_stated_gpu():

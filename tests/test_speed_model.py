@@ -88,10 +88,11 @@ def test_the_host_issue_cost_decides_a_step_of_tiny_ops_and_not_one_of_big_ones(
 
 
 def test_a_profile_without_a_measured_matmul_rate_is_derated_by_generation_and_says_so():
-    cell = _cell(gpu="h100-pcie")
+    cell = _cell(gpu="h100-nvl", technique="amp-bf16")
     measured = estimate(traced(cell), PROFILES["h100-sxm"])
-    derated = estimate(traced(cell), PROFILES["h100-pcie"])
-    assert any("no measured matmul rate for fp32 on h100-pcie" in note for note in derated.notes)
+    derated = estimate(traced(cell), PROFILES["h100-nvl"])  # no measured rate for any dtype
+    assert any("no measured matmul rate for" in note and "bf16" in note and "h100-nvl: datasheet derated by "
+               "generation" in note for note in derated.notes)
     assert derated.step_s > 0 and measured.step_s > 0
     # h100-sxm has a measured bf16 rate: an amp-bf16 projection's note does not claim a derating for bf16.
     amp = estimate(traced(_cell(technique="amp-bf16")), PROFILES["h100-sxm"])

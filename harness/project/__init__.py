@@ -113,11 +113,9 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
             # projected prefill + decode is. Published one-row compiled decodes do (decode_fit.toml), for a
             # vendor whose decode constants were fitted on them; other batches and eager decodes were never judged.
             decode_fit = decode_fit_provenance()
-            judged = (decode_fit and cell.batch_size == 1 and projection.trace.compiled
-                      and constants_for(cell.profile.per_device()).gpu.decode_fitted)
-            bar = (decode_interval(step.step_s * 1e3, decode_fit) if judged else
-                   unfitted_interval(step.step_s * 1e3, "no generation (prefill + decode) of this kind measured "
-                                     "(published decodes judge one-row compiled ones on NVIDIA GPUs)"))
+            bar = (decode_interval(step.step_s * 1e3, decode_fit) if decode_fit and _decode_judged(cell, projection)
+                   else unfitted_interval(step.step_s * 1e3, "no generation (prefill + decode) of this kind measured "
+                                          "(published decodes judge " + JUDGED_DECODES + ")"))
         elif step.fitted:
             bar = interval(step.step_s * 1e3, measured_column="measured_step_ms", projected_column="projected_step_ms",
                            floor=fit.get("held_out_median_abs_error", 0.0),
@@ -161,6 +159,27 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
                    fits=memory.fits, device_name=cell.profile.name, wall_time_s=time.perf_counter() - started,
                    notes=memory.notes, interval_basis="; ".join(basis) or None,
                    serving=_serving(projection) if speed is not None else None)
+
+
+# What the published decodes of benchmarks/data/published_decode.csv are: the kind of generation whose error
+# the decode fit measured, and so the only kind its held-out error bounds.
+JUDGED_DECODES = ("one-row compiled decodes of a 7B-70B model's bf16, int8 or int4 weights, over a cache of at most "
+                  "512 tokens, on A100s and H100s")
+JUDGED_GENERATIONS = ("ampere", "hopper")
+JUDGED_WEIGHTS = ("bf16-weights", "fp16-weights")
+
+
+def _decode_judged(cell: ResolvedCell, projection: Projection) -> bool:
+    """Whether `cell` is a generation of the kind the published decodes judge (JUDGED_DECODES): batch 1,
+    compiled, 16-bit weights (weight-only int8/int4 on top allowed, an int8 KV cache not), weights of at least
+    a gigabyte (a smaller model's step is launches, not its weights' read), a short cache, a GPU generation
+    the rows ran on whose decode constants were fitted."""
+    names = {technique.id for technique in cell.stack.techniques}
+    return (cell.batch_size == 1 and projection.trace.compiled and "kv-int8" not in names
+            and any(weights in names for weights in JUDGED_WEIGHTS) and projection.trace.params_bytes >= 1e9
+            and (cell.spec.seq_len or 0) + (cell.spec.gen_len or 0) <= 512
+            and cell.profile.generation in JUDGED_GENERATIONS
+            and constants_for(cell.profile.per_device()).gpu.decode_fitted)
 
 
 def _serving(projection: Projection) -> ServingFigures | None:

@@ -5,8 +5,9 @@ A one-row decode step reads every weight once and does little else, so its time 
 it streams them at: `stream_bandwidth_efficiency` of the datasheet bandwidth for a bf16 weight, and a share
 of that for a weight-only int8 or int4 matmul, whose kernel unpacks and scales each element on the way (one
 set per vendor: the published decodes that say which GPU ran them are all A100s).
-The rest of the step (launches, the attention over a short cache, the fused elementwise kernels) keeps the
-training fit's constants. A point is one published decode throughput with its traced phases; the fit
+The attention streams its KV cache at the same rate (the published decodes' caches are short: about 200
+tokens, so long-cache reads were never judged); the rest of the step (launches, the fused elementwise
+kernels) keeps the training fit's constants. A point is one published decode throughput with its traced phases; the fit
 minimises the squared log error of tokens/s with SciPy's bounded least squares.
 """
 

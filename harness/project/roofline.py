@@ -9,10 +9,11 @@ time and the host's issue time of each step phase are combined.
   count (small GEMMs leave SMs idle), so it takes (f + f_half) / rate; a decode step's skinny matmuls and
   one-query attention (GEMV, split-K kernels over every SM) pay at most their memory time for the idle SMs.
 - Memory: bytes read + written at the datasheet bandwidth times a fitted efficiency (a measured copy rate
-  replaces it only where the vendor's constants were never fitted). An op takes the longer of the two, plus a
-  fixed cost per kernel it launches (launch, tail; a foreach op launches one per chunk of tensors). A
-  16-bit GEMM with a dimension off the tensor-core granule runs at a fraction of the rate, and so does
-  torchao's int4 weight-only kernel (tinygemm) at any size.
+  replaces it only where the vendor's constants were never fitted); a served decoder's matmuls and attention
+  stream at their own fitted share (decode_fit.toml), weight-only int8/int4 ones slower. An op takes the
+  longer of the two, plus a fixed cost per kernel it launches (launch, tail; a foreach op launches one per
+  chunk of tensors). A 16-bit GEMM with a dimension off the tensor-core granule runs at a fraction of the
+  rate, and so does torchao's int4 weight-only kernel (tinygemm) at any size.
 - Host: eager PyTorch spends microseconds per op (Python, dispatcher, autograd), by who issues it
   (Python with autograd, autograd's C++ engine, inference mode), plus cuDNN's set-up per convolution. A phase (forward,
   backward, optimizer) takes (K**p + I**p)**(1/p) for kernel time K and issue time I: the GPU runs ahead
@@ -108,12 +109,13 @@ def achievable_rate(profile, name: str) -> tuple[float, str | None]:
     A measured figure wins. Else a 16-bit or TF32 rate takes the share of its datasheet that the profile's
     measured bf16 (or fp16) reaches: the same tensor cores at the same power-limited clocks. Measured
     pairs bear it out within 10%: TF32's share over bf16's is 1.01 on an H100 SXM, 0.97 on an H100 PCIe,
-    0.98 on an H800 PCIe, 0.92 on an A100 PCIe 40GB, 0.90 on an L4 (zzc0721/torch-performance-test-data
+    0.96 on an H800 PCIe, 0.92 on an A100 PCIe 40GB, 0.90 on an L4 (zzc0721/torch-performance-test-data
     @9d82827), where a generation's derating would miss that an L4 (72 W) reaches 0.59 of its bf16
-    datasheet and an A100 SXM 0.87. nan where nothing measured applies (the caller derates by generation)."""
+    datasheet and an A100 SXM 0.87. NVIDIA parts only (the pairs are all NVIDIA's). nan where nothing measured
+    applies (the caller derates by generation)."""
     if name in profile.achievable_flops:
         return profile.achievable_flops[name], None
-    if name in _SHARED_TENSOR_RATES and profile.peak(name):
+    if name in _SHARED_TENSOR_RATES and profile.vendor == "nvidia" and profile.peak(name):
         for sibling in ("bf16", "fp16"):
             if sibling in profile.achievable_flops and profile.peak(sibling):
                 return profile.peak(name) * profile.achievable_flops[sibling] / profile.peak(sibling), sibling
@@ -197,8 +199,10 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
     rate = np.where(ops.aligned, rate, rate * gpu.unaligned_efficiency)
     memory = ops.bytes / bandwidth
     if ops.streaming is not None and ops.streaming.any():
-        # No decode has been fitted: the stream efficiency is a prior, and a measured copy rate replaces it.
-        stream = ops.achievable_bandwidth or (ops.bandwidth * gpu.stream_bandwidth_efficiency)
+        # A fitted stream efficiency (decode_fit.toml) was fitted against datasheet bandwidth, as the training
+        # fit's was, so it stands; where the decode was never fitted, a measured copy rate replaces the prior.
+        measured_stream = ops.achievable_bandwidth if not gpu.decode_fitted else None
+        stream = measured_stream or (ops.bandwidth * gpu.stream_bandwidth_efficiency)
         # A weight-only kernel streams its packed weight slower than a bf16 matmul streams its own: it unpacks
         # and scales every element on the way (torchao's one-row decodes: speed_constants.toml).
         share = np.ones(len(ops.count))
@@ -207,7 +211,7 @@ def step_time(ops: OpArrays, constants: SpeedConstants) -> TimeEstimate | None:
                               [gpu.int8_weight_stream_share, gpu.int4_weight_stream_share], 1.0)
         memory = np.where(ops.streaming, ops.bytes / (stream * share), memory)
         fitted_or_prior = "fitted" if gpu.decode_fitted else "prior"
-        streamed_at = ("the measured copy rate" if ops.achievable_bandwidth else
+        streamed_at = ("the measured copy rate" if measured_stream else
                        f"{gpu.stream_bandwidth_efficiency:.2f} of the datasheet bandwidth ({fitted_or_prior})")
         notes.append(f"prefill/decode matmuls and attention stream at {streamed_at}")
         for bits in (8, 4):

@@ -11,6 +11,7 @@ NVIDIA's fitted factors: the AMD table stands on its own.
 
 from __future__ import annotations
 
+import hashlib
 import tomllib
 from dataclasses import dataclass, fields, replace
 from functools import cache
@@ -131,6 +132,12 @@ def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path | None = FI
 def fit_provenance() -> dict:
     """What the constants were fitted on and their held-out error (the [fit] table)."""
     return dict(_tables().get("fit", {}))
+
+
+def training_fit_digest(path: Path = FIT_FILE) -> str:
+    """A short digest of the training fit's file: the decode fit records the one it was fitted with, as a
+    refit of the training constants (kernel costs, bandwidth) leaves it stale."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 
 
 def decode_fit_provenance() -> dict:
