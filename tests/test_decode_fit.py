@@ -123,3 +123,13 @@ def test_the_published_decodes_name_valid_cells_and_the_fit_rows_one_stated_gpu(
     for row in frame.to_dict("records"):
         assert row["gpu"] in PROFILES and "compile" in parse_stack(row["technique"]).name
         assert row["value"] > 0 and row["source"]
+
+
+def test_a_calibrated_copy_rate_replaces_the_stream_prior_but_not_a_fitted_stream_rate():
+    # The fitted rate was fitted against the datasheet bandwidth, with the fitted shares on top of it: a copy
+    # rate `headroom calibrate` measured would pair those shares with a rate they were never fitted with.
+    copied = dataclasses.replace(_decode_ops("decode_first", 8e9, 0), achievable_bandwidth=1e12)
+    fitted, prior = constants_for(A100), constants_for(A100, decode=None)
+    assert step_time(copied, prior).memory_s == pytest.approx(8e9 / 1e12)
+    stream = A100.memory_bandwidth_bytes_s * fitted.gpu.stream_bandwidth_efficiency
+    assert step_time(copied, fitted).memory_s == pytest.approx(8e9 / stream)
