@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
                         help="contexts (prompt + generated tokens) to find the largest batch at (default 4096,32768)")
     matrix.add_argument("--gen-len", type=_count, default=None, help="tokens generated per sequence (default 128)")
     matrix.add_argument("--eager", action="store_true", help="eager decode instead of compiled (CUDA graphs)")
+    matrix.add_argument("--tp", type=_csv, default=None, metavar="GPUS,...",
+                        help="GPUs per replica, each count a tensor-parallel group of a node (default 1; e.g. 1,2,4,8)")
     matrix.add_argument("--prices", type=Path, default=None, metavar="FILE.csv",
                         help="GPU prices to cost tokens at instead of the profiles' (columns gpu, usd_per_hour, date, "
                              "source), as `headroom report --prices`")
@@ -39,6 +41,18 @@ def _contexts(values: list[str] | None) -> tuple[int, ...] | None:
     return contexts
 
 
+def _replica_gpus(values: list[str] | None) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    try:
+        counts = tuple(int(v) for v in values)
+    except ValueError:
+        raise UsageError(f"--tp takes GPU counts such as 1,2,4,8; got {','.join(values)}") from None
+    if any(c < 1 for c in counts):
+        raise UsageError(f"--tp takes positive GPU counts; got {','.join(values)}")
+    return counts
+
+
 def cmd_serve_matrix(args) -> int:
     from harness.prices import priced_profiles
     from harness.profiles import resolve_gpus
@@ -53,14 +67,15 @@ def cmd_serve_matrix(args) -> int:
     gpus = resolve_gpus(args.gpu, profiles) if args.gpu else [p for p in profiles.values() if p.vendor != "cpu"]
     options = {key: value for key, value in (("sizes", tuple(args.size or ()) or None),
                                              ("weights", tuple(args.weights or ()) or None),
-                                             ("contexts", _contexts(args.context))) if value}
+                                             ("contexts", _contexts(args.context)),
+                                             ("replica_gpus", _replica_gpus(args.tp))) if value}
     request = MatrixRequest(gpus=tuple(g.id for g in gpus), gen_len=args.gen_len or DEFAULT_GEN_LEN,
                             eager=args.eager, **options)
     started = time.perf_counter()
 
     def progress(done: int, total: int, row: dict) -> None:
         print(f"[{done}/{total} {time.perf_counter() - started:4.0f}s] {row['size']} {row['weights']} on "
-              f"{row['gpu']}", file=sys.stderr)
+              f"{_over(row)}{row['gpu']}", file=sys.stderr)
 
     matrix = serve_matrix(request, profiles, progress)
     print(_table(matrix, context_label(request.contexts[0])).to_string(index=False))
@@ -93,7 +108,7 @@ def _table(matrix, first_context: str):
     Notes go under the table (`_notes`), not in a column as wide as the longest."""
     batches = [c for c in matrix.columns if c.startswith("max_batch_")]
     at = f"@{first_context}"
-    columns = {"size": "size", "gpu": "GPU", "weights": "weights",
+    columns = {"size": "size", "gpu": "GPU", "gpus": "GPUs", "weights": "weights",
                **{c: "max-batch@" + c.removeprefix("max_batch_") for c in batches},
                "decode_tokens_s_b1": f"tok/s-b1{at}", "decode_tokens_s_max": f"tok/s-max{at}",
                "ttft_ms_b1": f"TTFT-ms-b1{at}", "ttft_ms_max": f"TTFT-ms-max{at}",
@@ -108,6 +123,8 @@ def _table(matrix, first_context: str):
             table[column] = [f"{v / 2**30:,.1f}" if v == v and v is not None else "-" for v in table[column]]
         elif column.startswith("max-batch"):
             table[column] = [str(int(v)) if v == v and v is not None else "-" for v in table[column]]
+        elif column == "GPUs":
+            table[column] = [str(int(v)) for v in table[column]]
         elif column not in ("size", "GPU", "weights", "note"):
             table[column] = [(f"{v:.0%}" if "util" in column else f"{v:,.2f}" if "USD" in column else f"{v:,.0f}")
                              if v == v and v is not None else "-" for v in table[column]]
@@ -117,8 +134,14 @@ def _table(matrix, first_context: str):
 def _notes(matrix) -> list[str]:
     """The rows' notes, numbered as the table's `note` column numbers them."""
     rows = matrix[matrix["notes"].fillna("") != ""] if "notes" in matrix else matrix.iloc[0:0]
-    return [f"note [{index}] {row['size']} {row['weights']} on {row['gpu']}: {row['notes']}"
+    return [f"note [{index}] {row['size']} {row['weights']} on {_over(row)}{row['gpu']}: {row['notes']}"
             for index, (_, row) in enumerate(rows.iterrows(), 1)]
+
+
+def _over(row) -> str:
+    """`4 x ` before a GPU's name where a row's replica is a tensor-parallel group of that many."""
+    gpus = row.get("gpus", 1)
+    return f"{int(gpus)} x " if gpus == gpus and gpus > 1 else ""
 
 
 def _prices(matrix, profiles) -> str:

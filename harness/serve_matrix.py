@@ -1,6 +1,7 @@
-"""The serving fit matrix: for each decoder size x GPU profile x weight precision, the largest batch
-that fits at each context, decode tokens/s at batch 1 and at that batch, and USD per million generated
-tokens at the profile's price; every figure projected (harness/project/), one row per combination.
+"""The serving fit matrix: for each decoder size x GPU profile x weight precision (x GPUs per replica, a
+tensor-parallel group of a node: harness/project/served_parallel.py), the largest batch that fits at each
+context, decode tokens/s at batch 1 and at that batch, and USD per million generated tokens at the profile's
+price; every figure projected (harness/project/), one row per combination.
 
 Weights as servers hold them: `bf16` (bf16-weights; fp16-weights on GPUs without bf16), `int8` and `int4`
 (weight-only, group-wise scales, on 16-bit activations), each with `compile` (CUDA-graph decode, as
@@ -10,6 +11,7 @@ about a 13B FP16 model") is judged from the A100 80 GB's bf16 rows (`judge_c1`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +20,9 @@ import pandas as pd
 from harness.cell import Cell
 from harness.outcome import to_record
 from harness.project import max_batch, project_outcome
+from harness.project.query import with_degrees
+from harness.project.served_parallel import search_cell
+from suites.techniques import Unsupported
 from suites.workloads import get_workload
 
 WEIGHTS = {"bf16": "bf16-weights", "int8": "bf16-weights+group-quant", "int4": "bf16-weights+group-quant-int4"}
@@ -44,24 +49,29 @@ class MatrixRequest:
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     gen_len: int = DEFAULT_GEN_LEN
     eager: bool = False
+    replica_gpus: tuple[int, ...] = (1,)  # GPUs per replica: 1, or a tensor-parallel group
 
     def __post_init__(self) -> None:
-        for name in ("sizes", "gpus", "weights", "contexts"):  # one row per combination, asked twice or not
+        # One row per combination, asked twice or not.
+        for name in ("sizes", "gpus", "weights", "contexts", "replica_gpus"):
             object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
         unknown = [w for w in self.weights if w not in WEIGHTS]
         if unknown:
             raise ValueError(f"unknown weight precision {unknown[0]!r} (valid: {', '.join(WEIGHTS)})")
+        if not self.replica_gpus or any(n < 1 for n in self.replica_gpus):
+            raise ValueError(f"GPUs per replica must be positive integers, got {list(self.replica_gpus)}")
         if not self.contexts or any(c <= self.gen_len for c in self.contexts):
             raise ValueError(f"every context must exceed --gen-len {self.gen_len} (it holds the prompt too)")
         workload = get_workload("gpt")
         for size in self.sizes:
             workload.size(size)  # ValueError naming the valid sizes
 
-    def stack(self, weights: str, profile) -> str:
-        """The technique stack serving `weights` on `profile`: 16-bit weights are fp16 where the GPU has no
-        bf16 (T4, V100), as servers load them there."""
+    def stack(self, weights: str, profile, gpus: int = 1) -> str:
+        """The technique stack serving `weights` on `profile` over `gpus` (tensor-parallel above one): 16-bit
+        weights are fp16 where the GPU has no bf16 (T4, V100), as servers load them there."""
         stack = WEIGHTS[weights] + ("" if self.eager else "+compile")
-        return stack if profile.has("bf16") else stack.replace("bf16-weights", "fp16-weights")
+        stack = stack if profile.has("bf16") else stack.replace("bf16-weights", "fp16-weights")
+        return stack if gpus == 1 else with_degrees(f"tensor-parallel+{stack}", gpus, None)
 
 
 def context_label(context: int) -> str:
@@ -73,20 +83,21 @@ def serve_matrix(request: MatrixRequest, profiles: dict,
     """One row per size x GPU x weight precision (see the module docstring); `progress(done, total,
     row)` after each row."""
     workload = get_workload("gpt")
-    combos = [(size, weights, gpu) for size in request.sizes for weights in request.weights for gpu in request.gpus]
+    combos = [(size, weights, gpu, gpus) for size in request.sizes for weights in request.weights
+              for gpu in request.gpus for gpus in request.replica_gpus]
     rows = []
-    for index, (size, weights, gpu) in enumerate(combos, 1):
-        rows.append(_row(workload, request, profiles, size, weights, gpu))
+    for index, (size, weights, gpu, gpus) in enumerate(combos, 1):
+        rows.append(_row(workload, request, profiles, size, weights, gpu, gpus))
         if progress:
             progress(index, len(combos), rows[-1])
     return pd.DataFrame(rows)
 
 
-def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: str, gpu: str) -> dict:
+def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: str, gpu: str, gpus: int = 1) -> dict:
     profile = profiles[gpu]
-    stack = request.stack(weights, profile)
+    stack = request.stack(weights, profile, gpus)
     limit = workload.max_seq_len(workload.size(size))
-    row = {"size": size, "gpu": gpu, "weights": weights, "technique": stack, "gen_len": request.gen_len,
+    row = {"size": size, "gpu": gpu, "gpus": gpus, "weights": weights, "technique": stack, "gen_len": request.gen_len,
            "usd_per_hour": profile.per_device().usd_per_hour, "price_date": profile.price_date, "notes": ""}
     notes = [] if "bf16-weights" in stack else \
         [f"{'activations and scales' if weights != 'bf16' else '16-bit weights'} in fp16 (no bf16 on this GPU)"]
@@ -97,11 +108,15 @@ def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: s
             notes.append(f"{label}: beyond {size}'s {limit:,}-token context")
             continue
         cell = Cell("gpt", size, "infer", stack, gpu, 1, source="projected", prompt_len=context - request.gen_len,
-                    gen_len=request.gen_len).resolve(profiles)
-        if cell.unsupported:
-            notes.append(f"unsupported: {cell.unsupported}")
+                    gen_len=request.gen_len, world_size=gpus).resolve(profiles)
+        try:
+            rank = search_cell(cell)  # a tensor-parallel group's rank: what fits it fits the group
+        except Unsupported as exc:
+            rank = dataclasses.replace(cell, unsupported=str(exc))
+        if rank.unsupported:
+            notes.append(f"unsupported: {rank.unsupported}")
             break
-        batch = max_batch(cell)
+        batch = max_batch(rank)
         row[f"max_batch_{label}"] = batch
         if position:
             continue
@@ -121,7 +136,8 @@ def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: s
     if row.get("max_batch_" + context_label(request.contexts[0])) == 0:
         room = profile.per_device().capacity_bytes
         if row.get("params_bytes") and room and row["params_bytes"] > room:
-            notes.append(f"does not fit: its weights alone take {row['params_bytes'] / 2**30:,.1f} GiB of the "
+            share = "its weights alone take" if gpus == 1 else f"each of its {gpus} GPUs' share of the weights takes"
+            notes.append(f"does not fit: {share} {row['params_bytes'] / 2**30:,.1f} GiB of the "
                          f"{room / 2**30:,.1f} GiB the GPU has")
         else:
             notes.append(f"does not fit at batch 1 and {request.contexts[0]:,} tokens without the allocator "
@@ -143,6 +159,8 @@ def judge_c1(matrix: pd.DataFrame, capacity_bytes: int | None, gpu: str = C1_GPU
     if matrix.empty or first is None or not {"params_bytes", "peak_reserved_b1_bytes"} <= set(matrix.columns):
         return None
     rows = matrix[matrix["gpu"] == gpu]
+    if "gpus" in rows:  # one GPU's memory is the claim's: a tensor-parallel group's rows say nothing of it
+        rows = rows[rows["gpus"].fillna(1) == 1]
     bf16 = rows[rows["weights"] == "bf16"]
     if bf16.empty:
         return None

@@ -252,7 +252,11 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
         if column not in rows:  # an older or hand-made matrix: that figure is unknown
             rows[column] = float("nan")
     rows["usd"] = pd.to_numeric(rows["usd_per_million_tokens_max"], errors="coerce").astype(float)
-    rows["hourly"] = rows["usd_per_hour"]
+    # A tensor-parallel replica (serve-matrix --tp) costs its GPUs' hours together and is named by them.
+    gpus = pd.to_numeric(rows["gpus"], errors="coerce").fillna(1) if "gpus" in rows else pd.Series(1, rows.index)
+    rows["hourly"] = rows["usd_per_hour"] * gpus
+    rows["replica"] = [gpu if count == 1 else f"{int(count)}x {gpu}" for gpu, count in zip(rows["gpu"], gpus,
+                                                                                              strict=True)]
     rows["price"] = rows["gpu"].map(lambda g: prices[g].label if g in prices else "")
     context = batch.removeprefix("max_batch_") if batch else ""
     # `headroom serve-matrix` compiles the decode unless told --eager: the heading says which was costed.
@@ -265,7 +269,7 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
         def entry(row, what: str) -> dict | None:
             if row is None:
                 return None
-            return {"gpu": str(row["gpu"]), "weights": str(row["weights"]), "what": what,
+            return {"gpu": str(row["replica"]), "weights": str(row["weights"]), "what": what,
                     "cost": f"{fmt.usd(row['usd'])} / M tokens" if not fmt.missing(row["usd"]) else "no price known",
                     "price": row["price"]}
 

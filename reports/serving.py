@@ -66,8 +66,10 @@ def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
     if matrix is None or matrix.empty:
         return None
     batches = [c for c in matrix.columns if c.startswith("max_batch_")]
-    columns = MATRIX_COLUMNS[:3] + [(c, f"largest batch at {c.removeprefix('max_batch_')}", _batch)
-                                    for c in batches] + MATRIX_COLUMNS[3:]
+    # A tensor-parallel replica's rows (serve-matrix --tp) name their GPUs; a matrix of one GPU each does not.
+    replicas = [("gpus", "GPUs per replica", fmt.text)] if "gpus" in matrix and (matrix["gpus"] > 1).any() else []
+    columns = MATRIX_COLUMNS[:2] + replicas + [MATRIX_COLUMNS[2]] + [
+        (c, f"largest batch at {c.removeprefix('max_batch_')}", _batch) for c in batches] + MATRIX_COLUMNS[3:]
     rows = [{"cells": [f(row[c]) if c in row else fmt.EMPTY for c, _, f in columns], "status": "ok",
              "reason": fmt.text(row["notes"]) if "notes" in row and not fmt.missing(row["notes"]) else ""}
             for _, row in matrix.iterrows()]
@@ -88,6 +90,9 @@ def fit_chart(matrix: pd.DataFrame, column: str) -> str:
     SVG (matplotlib's SVG backend escapes the text it draws)."""
     from reports.charts import plt, svg_of
 
+    if "gpus" in matrix:  # a tensor-parallel replica is a column of its own: `4x h100-sxm`
+        matrix = matrix.assign(gpu=[gpu if count == 1 else f"{int(count)}x {gpu}"
+                                    for gpu, count in zip(matrix["gpu"], matrix["gpus"].fillna(1), strict=True)])
     weights = list(dict.fromkeys(matrix["weights"]))
     sizes, gpus = list(dict.fromkeys(matrix["size"])), list(dict.fromkeys(matrix["gpu"]))
     # Each panel: a row per size, room below for the GPU names written at an angle.

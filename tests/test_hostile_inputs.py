@@ -78,7 +78,9 @@ def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, capsys):
     (["fragmentation", "--gpu", "a100"], "a100 names 4 profiles"),
     (["fragmentation", "--gpu", "cpu"], "needs a GPU profile"),
     (["profiles", "--profiles", str(ROOT / "pyproject.toml")], "is a file; give the folder that holds it"),
-    (["project", "--gpu", "a10", "--mode", "infer", "--tp", "2"], "--tp: serving over several GPUs is not modelled"),
+    (["project", "--gpu", "a10", "--mode", "infer", "--tp", "2"], "--tp 2 needs tensor-parallel in the stack"),
+    (["project", "--gpu", "a10", "--mode", "infer", "--technique", "tensor-parallel", "--tp", "2", "--pp", "2"],
+     "--pp: a served model is projected over a tensor-parallel group alone"),
 ])
 def test_bad_values_are_refused_at_the_door_in_one_line(argv, message, capsys):
     assert main(argv) == 2

@@ -239,6 +239,16 @@ def test_serving_picks_come_from_the_matrix_at_the_reports_prices():
     assert serving_answers(eager, prices)[0]["decode"] == "eager"
 
 
+def test_a_tensor_parallel_replica_is_named_by_its_gpus_and_costs_all_their_hours():
+    matrix = pd.concat([_matrix(), _matrix().iloc[[0]].assign(gpus=2, usd_per_million_tokens_max=0.5)],
+                       ignore_index=True).assign(gpus=lambda m: m["gpus"].fillna(1))
+    [answer] = serving_answers(matrix, PRICES)
+    assert answer["picks"]["cheapest"]["gpu"] == "a10"  # one a10's hour, not two
+    two = matrix[matrix["gpus"] == 2].assign(size="gpt-70b")
+    [alone] = serving_answers(two, PRICES)
+    assert alone["picks"]["cheapest"]["gpu"] == "2x a10"
+
+
 def test_the_serving_table_is_costed_at_the_reports_prices():
     from reports.serving import reprice_matrix
 

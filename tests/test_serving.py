@@ -320,6 +320,23 @@ def test_a_model_whose_weights_alone_outgrow_the_gpu_says_so_not_that_the_alloca
     assert "does not fit: its weights alone take 131.4 GiB of the 22.5 GiB the GPU has" in row["notes"]
 
 
+def test_the_serve_matrix_serves_a_model_too_large_for_one_gpu_over_a_tensor_parallel_group():
+    from reports.serving import matrix_section
+
+    request = MatrixRequest(sizes=("gpt-13b",), gpus=("l4",), weights=("bf16",), contexts=(2048,), gen_len=64,
+                            replica_gpus=(1, 2))
+    matrix = serve_matrix(request, PROFILES)
+    one, two = (matrix[matrix["gpus"] == n].iloc[0] for n in (1, 2))
+    assert one["max_batch_2k"] == 0 and "its weights alone take" in one["notes"]  # 26 GB of weights, a 24 GB card
+    assert two["max_batch_2k"] >= 1 and two["technique"].startswith("tensor-parallel:t=2+")
+    assert two["params_bytes"] == pytest.approx(one["params_bytes"] / 2, rel=1e-3)  # each rank's half
+    assert judge_c1(matrix.assign(gpu=A100), 80 * 2**30).startswith("contradicted: none of gpt-13b")  # one GPU's rows
+    section = matrix_section(matrix, None)
+    assert "GPUs per replica" in section["headers"] and "2x l4" in section["figure"]["svg"]
+    with pytest.raises(ValueError, match="GPUs per replica must be positive"):
+        MatrixRequest(gpus=("l4",), replica_gpus=(0,))
+
+
 def test_c1_is_judged_from_the_matrix_rows():
     gib = 2**30
     matrix = pd.DataFrame([
@@ -413,6 +430,8 @@ def test_serve_matrix_command_prints_keeps_and_reports(tmp_path, capsys):
     assert "Serving: which GPU holds which model" in html and "Serving: generation cells" in html
     assert main(["serve-matrix", "--weights", "fp8"]) == 2
     assert "unknown weight precision 'fp8'" in capsys.readouterr().err
+    assert main(["serve-matrix", "--tp", "two"]) == 2
+    assert "--tp takes GPU counts such as 1,2,4,8" in capsys.readouterr().err
 
 
 def test_serve_matrix_costs_tokens_at_a_prices_file(tmp_path, capsys):

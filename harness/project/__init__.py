@@ -78,9 +78,14 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
     """The projected outcome of `cell`: ok, oom (does not fit, with the numbers), unsupported or
     error; never raises for a problem of the cell itself."""
     started = time.perf_counter()
-    if cell.unsupported:
+    served_parallel = cell.stack.parallel and cell.mode == "infer"
+    if cell.unsupported and not served_parallel:  # a served stack's own check comes with its rank's cell
         return failure("unsupported", cell.unsupported)
     try:
+        if served_parallel:  # a served decoder over a tensor-parallel group (harness/project/served_parallel.py)
+            from harness.project.served_parallel import project_served  # it builds on this module
+
+            return project_served(cell, outcome_of, started)
         if cell.stack.parallel:  # on several GPUs: one rank's trace, sharded (harness/project/parallel.py)
             from harness.project.parallel import project_parallel  # it builds on this module
 
@@ -90,13 +95,20 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
         return failure("unsupported", str(exc))
     except Exception as exc:  # a projection bug must become a row, not end the run
         return failure("error", f"projection failed: {type(exc).__name__}: {exc}")
+    return outcome_of(cell, projection, started)
+
+
+def outcome_of(cell: ResolvedCell, projection: Projection, started: float, served_by: str | None = None) -> Outcome:
+    """The outcome of `cell` from its projection; `served_by`: a served decoder's generation spread over a
+    tensor-parallel group (its interval then says the collectives' model was never fitted)."""
     memory, step = projection.memory, projection.time
     status, reason = ("oom", oom_reason(memory, cell.profile.id)) if memory.fits is False else ("ok", "")
     if status == "oom" and projection.trace.gen_len:
         # fp32 weights (no weight technique) take twice bf16's memory: the first thing to try.
         halve = "bf16-weights, " if projection.trace.precision == "fp32" else ""
-        reason += (f"; serving it over several GPUs (tensor parallelism) is not modelled yet: try {halve}quantised "
-                   "weights (group-quant, group-quant-int4), kv-int8 or a shorter context")
+        more = "more GPUs (a larger --tp)" if served_by else "several GPUs (--technique tensor-parallel+... --tp N)"
+        reason += (f"; try {halve}quantised weights (group-quant, group-quant-int4), kv-int8, a shorter context or "
+                   f"serving it over {more}")
     speed = None
     # A cell that cannot run has no speed or cost, as a measured oom row has none.
     ledger = shipped_ledger()
@@ -113,7 +125,8 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
             # projected prefill + decode is. Published one-row compiled decodes do (decode_fit.toml), for a
             # vendor whose decode constants were fitted on them; other batches and eager decodes were never judged.
             decode_fit = decode_fit_provenance()
-            bar = (decode_interval(step.step_s * 1e3, decode_fit) if decode_fit and _decode_judged(cell, projection)
+            bar = (unfitted_interval(step.step_s * 1e3, served_by) if served_by else
+                   decode_interval(step.step_s * 1e3, decode_fit) if decode_fit and _decode_judged(cell, projection)
                    else unfitted_interval(step.step_s * 1e3, "no generation (prefill + decode) of this kind measured "
                                           "(published decodes judge " + JUDGED_DECODES + ")"))
         elif step.fitted:

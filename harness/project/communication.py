@@ -65,6 +65,30 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
     return None, f"no GPU or host link bandwidth known for {profile.id}"
 
 
+# NCCL's own latency model of a ring collective with its low-latency protocol (what it picks for the kilobytes
+# of a decode step's all-reduce): a base cost plus one per hop, 2 (n - 1) hops for an all-reduce, n - 1 for an
+# all-gather. NVIDIA/nccl src/graph/tuning.cc (v2.19-2.23): baseLat Ring/LL 6.6 us; hwLat Ring/LL 0.6 us over
+# NVLink, 1.0 us over PCIe. So 7.8 / 10.2 / 15.0 us for an all-reduce on 2 / 4 / 8 NVLink GPUs; sglang's CUDA-graph
+# captured 8-GPU H100 all-reduces measure 16.8-17.8 us (sgl-project/sglang#22734), within 20% of the model's 15.
+# AMD's RCCL keeps the same model with its own figures (ROCm/rccl src/graph/tuning.cc: baseLat Ring/LL 12.0 us,
+# hwLat Ring/LL 0.8 us over xGMI, which it files as NVLink).
+RING_LATENCY_S = {"nccl": {"base": 6.6e-6, "nvlink": 0.6e-6, "pci": 1.0e-6},
+                  "rccl": {"base": 12.0e-6, "nvlink": 0.8e-6, "pci": 1.0e-6}}
+RING_HOPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1}
+
+
+def ring_latency_s(profile, ranks: int, collective: str) -> float:
+    """Seconds a ring `collective` over `ranks` GPUs of a node takes before its bytes count (NCCL's or RCCL's
+    model): over the GPUs' own links where every member has one (NVLink, Infinity Fabric; a bridge joins two),
+    over PCIe otherwise."""
+    if ranks <= 1:
+        return 0.0
+    link = (profile.interconnect or {}).get("gpu_link", "")
+    direct = (link.startswith("NVLink") or link.startswith("Infinity")) and ("bridge" not in link or ranks <= 2)
+    figures = RING_LATENCY_S["rccl" if profile.vendor == "amd" else "nccl"]
+    return figures["base"] + RING_HOPS[collective](ranks) * figures["nvlink" if direct else "pci"]
+
+
 def collective_bytes(technique: str | None, dp: int, params: int, grads: int, micro_batches: int = 1,
                      root: int = 0, pipelined: bool = False) -> dict[str, float]:
     """Bytes each data-parallel rank sends per step, per phase the collective runs under. DDP and ZeRO-1

@@ -23,6 +23,7 @@ from harness.project.search import (
     max_parallel_batch,
     smallest_batch,
 )
+from harness.project.served_parallel import local_served_cell, search_cell, tensor_degree
 from harness.records import Record
 from suites.techniques import Unsupported
 
@@ -91,9 +92,10 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
     degrees = [flag for flag, value in (("--dp", request.dp), ("--tp", request.tp), ("--pp", request.pp),
                                         ("--ep", request.ep)) if value and value > 1]
     degrees += ["--min-gpus"] if request.min_gpus else []
-    if request.mode == "infer" and degrees:
-        raise ValueError(f"{', '.join(degrees)}: serving over several GPUs is not modelled yet (the parallel "
-                         "techniques here are set up for training); to fit one GPU, try bf16-weights, group-quant, "
+    if request.mode == "infer" and set(degrees) - {"--tp"}:
+        raise ValueError(f"{', '.join(sorted(set(degrees) - {'--tp'}))}: a served model is projected over a tensor-"
+                         "parallel group alone (--technique tensor-parallel+... --tp N); data, pipeline and expert "
+                         "parallelism split training steps here. To fit one GPU, try bf16-weights, group-quant, "
                          "group-quant-int4 or kv-int8 (headroom advise --mode infer tries them)")
     # Batch 1 until the size is known; the empty size resolves to the workload's default (Cell.resolve).
     technique = with_degrees(request.technique, request.tp, request.pp, request.ep)
@@ -124,6 +126,14 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
         if not 1 <= request.seq_len <= limit:
             raise ValueError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {request.seq_len}")
         spec = dataclasses.replace(spec, seq_len=request.seq_len)
+    if request.mode == "infer" and cell.stack.parallel:
+        # A served tensor-parallel group: its rank's cell decides what runs (the technique's own check refuses
+        # the measured kind, which is not built).
+        try:
+            served = local_served_cell(cell, tensor_degree(cell))
+        except Unsupported as exc:
+            raise ValueError(str(exc)) from None
+        cell = dataclasses.replace(cell, unsupported=served.unsupported)
     # Data (and expert) parallelism keeps each GPU's batch and multiplies the global one (weak scaling), and a pipeline
     # runs its micro-batches of the size's batch, unless the batch is given.
     return cell.with_spec(spec).with_batch(request.batch_size or spec.batch_size * (request.dp or 1)
@@ -199,7 +209,7 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
     notes = []
     if search_context and not cell.unsupported:
         _needs_memory_size(cell.profile, "--max-context")
-        prompt = max_context(cell)
+        prompt = max_context(search_cell(cell))
         if prompt:
             if prompt == context_limit(cell) and cell.workload.max_seq_len(cell.spec) is not None:
                 notes.append(f"--max-context: the model's own limit binds, not memory ({prompt + cell.spec.gen_len:,} "
@@ -214,7 +224,9 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
             least = smallest_batch(cell.stack, cell.workload, cell.mode)
             batch = least
             try:
-                if cell.stack.parallel:  # every rank's memory, at a batch its ranks and micro-batches split
+                if cell.stack.parallel and cell.mode == "infer":
+                    batch = max_batch(search_cell(cell), step=batch_step(cell.stack), smallest=least) or least
+                elif cell.stack.parallel:  # every rank's memory, at a batch its ranks and micro-batches split
                     least = batch = cell.batch_size
                     batch = max_parallel_batch(cell) or batch
                 else:

@@ -234,6 +234,9 @@ def _check_tp(profile, workload, mode):
     if roles.attention is None or roles.mlp is None or roles.convolutional:
         return (f"tensor-parallel shards attention heads and MLP neurons a workload declares "
                 f"(Traits.attention / mlp); {workload.name} declares none")
+    if mode == "infer":
+        return ("tensor-parallel serving is projected (headroom project --mode infer --technique "
+                "tensor-parallel+bf16-weights --tp N), not measured: measured tensor parallelism runs training steps")
     return check_train(profile, workload, mode)
 
 
