@@ -208,12 +208,16 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
                 smaller = largest.batch_size
                 lines = [f"a smaller batch fits: at most {smaller} with {request.technique} (asked "
                          f"{record.batch_size}), {largest.throughput_samples_s or 0:,.1f} samples/s"]
+        served = record.gen_len is not None and request.mode == "infer"
+        several = "several (serving over a tensor-parallel group, below)" if served else \
+            "several (headroom project --min-gpus)"
         headline = (f"projected: {request.technique} does not fit on {profile.id}: short by {short}; "
                     + (f"{len(lines)} of {len(stacks)} stacks tried make it fit{skipped}" if lines and not smaller else
                        f"none of the {len(stacks)} stacks tried makes it fit{skipped}: "
                        + ("a smaller batch, " if smaller else "")
-                       + "a larger GPU or several (headroom project --min-gpus) is needed"))
-        return Advice(profile.id, target, lines + _decode_mode(request, record), headline)
+                       + f"a larger GPU or {several} is needed"))
+        group = _served_over_a_group(request, profile, project_each, capacity) if served else []
+        return Advice(profile.id, target, lines + group + _decode_mode(request, record), headline)
     speed = f", {record.step_time_ms_p50:,.0f} ms per step" if record.step_time_ms_p50 else ""
     if record.step_time_ms_p50 and record.step_time_ms_low and record.step_time_ms_high:
         speed += f" ({record.step_time_ms_low:,.0f} to {record.step_time_ms_high:,.0f} across its error bar)"
@@ -223,6 +227,32 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
                   + _decode_mode(request, record),
                   f"projected: {request.technique} fits on {profile.id} with {gib(target['left'])} left"
                   f"{uncertain_fit(target['worst'])}{speed}{cost}")
+
+
+# Tensor-parallel groups tried for a served model that one GPU cannot hold: within one 8-GPU node.
+SERVING_GROUPS = (2, 4, 8)
+
+
+def _served_over_a_group(request, profile, project_each, capacity) -> list[str]:
+    """The smallest tensor-parallel group of `profile` GPUs that serves the asked stack (each rank holding 1/t
+    of the weights and KV cache, harness/project/served_parallel.py), with its speed and cost; a line saying
+    none does where even 8 do not."""
+    stack = "tensor-parallel" + ("" if request.technique == "baseline" else f"+{request.technique}")
+    results = project_each([{"technique": stack, "tp": t} for t in SERVING_GROUPS])
+    for ranks, result in zip(SERVING_GROUPS, results, strict=True):
+        left = row_memory_left(memory_row(result), capacity)
+        if result.status == "ok" and left is not None and left >= 0:
+            speed = f", {result.tokens_per_s:,.1f} generated tokens/s" if result.tokens_per_s else ""
+            cost = f", ${result.usd_per_million_tokens:,.2f} per million tokens at {ranks} GPUs' price" \
+                if result.usd_per_million_tokens else ""
+            return [f"{ranks} GPUs serve it: --technique {stack} --tp {ranks} holds 1/{ranks} of the weights and "
+                    f"cache on each {profile.id}, {gib(left)} left per GPU{speed}{cost} (the collectives at NCCL's "
+                    "latency model, not fitted: benchmarks/tp_decode_validation.py)"]
+    why = [f"{ranks}: {result.reason}" for ranks, result in zip(SERVING_GROUPS, results, strict=True)
+           if result.status == "unsupported"]
+    groups = ", ".join(str(t) for t in SERVING_GROUPS[:-1]) + f" or {SERVING_GROUPS[-1]}"
+    return [f"no tensor-parallel group of {groups} {profile.id} GPUs serves {request.technique} at this batch and "
+            "context" + (f" ({'; '.join(why)})" if why else "")]
 
 
 def _decode_mode(request, record) -> list[str]:

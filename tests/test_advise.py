@@ -92,6 +92,24 @@ def test_advise_names_each_unsupported_stack_with_its_reason_and_says_served_spe
     assert out.rstrip().endswith("add +compile to the stack, or see headroom serve-matrix, for that speed")
 
 
+def test_a_served_model_one_gpu_cannot_hold_is_offered_the_smallest_tensor_parallel_group(small_l4, monkeypatch,
+                                                                                            capsys):
+    monkeypatch.setattr(advise, "INFER_STACKS", ("checkpointing",))  # unsupported in inference: no stack fits
+    assert main(["advise", "--workload", "gpt", "--size", "gpt2-124m", "--mode", "infer", "--gpu", "small-l4",
+                 "--batch-size", "192", "--profiles", str(small_l4)]) == 0
+    out = capsys.readouterr().out
+    assert "a larger GPU or several (serving over a tensor-parallel group, below) is needed" in out.splitlines()[0]
+    group = next(line for line in out.splitlines() if "serve" in line and "tensor-parallel" in line)
+    ranks = re.match(r"  (\d) GPUs serve it: --technique tensor-parallel --tp (\d) holds 1/(\d) of the weights", group)
+    assert ranks and len(set(ranks.groups())) == 1 and "per million tokens at" in group, group
+    # 12 heads do not split over 8: said, not taken for "does not fit".
+    assert main(["advise", "--workload", "gpt", "--size", "gpt2-124m", "--mode", "infer", "--gpu", "small-l4",
+                 "--batch-size", "4096", "--profiles", str(small_l4)]) == 0
+    out = capsys.readouterr().out
+    assert "no tensor-parallel group of 2, 4 or 8 small-l4 GPUs serves baseline" in out
+    assert "8: 12 query and 12 key/value heads do not split over 8 ranks" in out
+
+
 def test_a_batch_no_stack_holds_is_answered_with_the_largest_that_fits(small_l4, monkeypatch, capsys):
     monkeypatch.setattr(advise, "TRAIN_STACKS", ("amp-bf16",))
     assert main(["advise", "--workload", "gpt", "--size", "smoke", "--gpu", "small-l4", "--batch-size", "200000",
