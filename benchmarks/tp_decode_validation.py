@@ -1,12 +1,13 @@
 """A served decoder over a tensor-parallel group, projected against published measurements none of its constants
 was fitted on.
 
-benchmarks/data/published_tp_decode.csv holds gpt-fast's batch-1 compiled decodes of Llama models on 1, 2, 4 and
-8 A100-80GB (its README's tensor-parallel tables). The projection (harness/project/served_parallel.py) traces one
-rank's part of the model, costs its generation with the decode fit (whose fit rows are torchao's one-GPU decodes,
-not these) and adds every forward's all-reduces and logits gather at NCCL's latency model. The table prints each
-row's tokens/s error with and without the collectives, and the speed-up over one GPU (what a buyer of more GPUs
-pays for), projected against published.
+benchmarks/data/published_tp_decode.csv holds gpt-fast's batch-1 compiled decodes of Llama models on 1, 2, 4
+and 8 A100-80GB (its README's tensor-parallel tables). The projection (harness/project/served_parallel.py)
+traces one rank's part of the model in gpt-fast's layout (its tp.py shards attention and MLP only: the
+embedding and head stay whole on every rank, with no collective of their own), costs its generation with the
+decode fit (whose fit rows are torchao's one-GPU decodes, not these) and adds every forward's all-reduces at
+NCCL's latency model. The table prints each row's tokens/s error with and without the collectives, and the
+speed-up over one GPU (what a buyer of more GPUs pays for), projected against published.
 
 Usage: python benchmarks/tp_decode_validation.py
 """
@@ -14,15 +15,16 @@ Usage: python benchmarks/tp_decode_validation.py
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 
 import pandas as pd
 
 from harness.cell import Cell
 from harness.profiles import load_profiles
-from harness.project import project_outcome
+from harness.project import outcome_of, project_outcome
 from harness.project.query import with_degrees
-from harness.project.served_parallel import served_collectives
+from harness.project.served_parallel import local_served_cell, project_served, served_collectives
 
 DATA = Path(__file__).with_name("data") / "published_tp_decode.csv"
 # gpt-fast's generate.py: a 5-token prompt ("Hello, my name is"), 200 new tokens; tokens/s = new tokens / the
@@ -37,16 +39,18 @@ def projected(row: dict, profiles) -> tuple[float, float]:
                                                                    None)
     cell = Cell("gpt", row["size"], "infer", technique, row["gpu"], 1, "projected", prompt_len=PROMPT_TOKENS,
                 gen_len=NEW_TOKENS, world_size=ranks).resolve(profiles)
-    outcome = project_outcome(cell)
+    # gpt-fast's layout: the vocabulary whole on every rank.
+    outcome = project_outcome(cell) if ranks == 1 else project_served(cell, outcome_of, time.perf_counter(),
+                                                                       vocabulary=False)
     if outcome.status != "ok" or outcome.speed is None:
         raise SystemExit(f"{row['label']} on {ranks} GPUs: projected {outcome.status}: {outcome.reason}")
     seconds = outcome.speed.step_time_ms_p50 / 1e3
     alone = seconds
     if ranks > 1:
         precision = outcome.precision or "bf16"
-        local = cell  # the collectives are the model's, whatever the rank's cell: counted on the whole cell
-        prefill = served_collectives(local, ranks, precision, PROMPT_TOKENS)
-        decode = served_collectives(local, ranks, precision, 1)
+        local = local_served_cell(cell, ranks, vocabulary=False)
+        prefill = served_collectives(local, ranks, precision, PROMPT_TOKENS, vocabulary=False)
+        decode = served_collectives(local, ranks, precision, 1, vocabulary=False)
         alone = seconds - prefill.seconds - (NEW_TOKENS - 1) * decode.seconds
     return NEW_TOKENS / seconds, NEW_TOKENS / alone
 

@@ -179,8 +179,9 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
     from suites.techniques import parse_stack
 
     if parse_stack(request.technique).parallel:
+        count = "--tp N projects a group of N" if request.mode == "infer" else "--min-gpus counts how many it needs"
         raise ValueError(f"advise answers for one GPU; {request.technique} runs on several: headroom project "
-                         f"--technique {request.technique} --gpu {profile.id} --min-gpus counts how many it needs")
+                         f"--technique {request.technique} --gpu {profile.id} {count}")
     request = dataclasses.replace(request, gpu=profile.id)
 
     def project_each(changes: list[dict]) -> list:

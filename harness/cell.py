@@ -84,7 +84,13 @@ class Cell:
         profile = profiles[self.gpu]
         # The names as the row records them: the stack's canonical spelling, the workload's own name.
         named = dataclasses.replace(self, technique=stack.name, workload=workload.name, size=spec.name)
-        return ResolvedCell(named, workload, spec, stack, profile, stack.check(profile, workload, self.mode))
+        resolved = ResolvedCell(named, workload, spec, stack, profile, stack.check(profile, workload, self.mode))
+        if self.source == "projected" and self.mode == "infer" and stack.parallel:
+            # A served tensor-parallel group is projected (not measured): its rank's stack decides.
+            from harness.project.served_parallel import served_verdict  # it builds on this module
+
+            resolved = dataclasses.replace(resolved, unsupported=served_verdict(resolved))
+        return resolved
 
 
 def served_spec(workload: Workload, spec: SizeSpec, prompt_len: int | None = None,

@@ -60,8 +60,9 @@ def cmd_report(args) -> int:
         write_text(results_markdown(unique, profiles, prices, cut_short), args.out)
         print(f"wrote {printable(str(args.out))} (Markdown) from {len(unique)} rows{counted}")
         return 0
-    matrix = pd.concat(matrices, ignore_index=True).drop_duplicates(["size", "gpu", "weights"], keep="last") \
-        if matrices else None
+    from harness.serve_matrix import merged_matrices
+
+    matrix = merged_matrices(matrices)
     from reports.accuracy import FILE as ACCURACY_FILE
     from reports.fragmentation import FILE as FRAGMENTATION_FILE
     from reports.timelines import timeline_files

@@ -11,7 +11,6 @@ about a 13B FP16 model") is judged from the A100 80 GB's bf16 rows (`judge_c1`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +21,6 @@ from harness.outcome import to_record
 from harness.project import max_batch, project_outcome
 from harness.project.query import with_degrees
 from harness.project.served_parallel import search_cell
-from suites.techniques import Unsupported
 from suites.workloads import get_workload
 
 WEIGHTS = {"bf16": "bf16-weights", "int8": "bf16-weights+group-quant", "int4": "bf16-weights+group-quant-int4"}
@@ -109,14 +107,10 @@ def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: s
             continue
         cell = Cell("gpt", size, "infer", stack, gpu, 1, source="projected", prompt_len=context - request.gen_len,
                     gen_len=request.gen_len, world_size=gpus).resolve(profiles)
-        try:
-            rank = search_cell(cell)  # a tensor-parallel group's rank: what fits it fits the group
-        except Unsupported as exc:
-            rank = dataclasses.replace(cell, unsupported=str(exc))
-        if rank.unsupported:
-            notes.append(f"unsupported: {rank.unsupported}")
+        if cell.unsupported:
+            notes.append(f"unsupported: {cell.unsupported}")
             break
-        batch = max_batch(rank)
+        batch = max_batch(search_cell(cell))  # a tensor-parallel group's rank: what fits it fits the group
         row[f"max_batch_{label}"] = batch
         if position:
             continue
@@ -201,6 +195,16 @@ def judge_matrix(matrix: pd.DataFrame | None) -> str | None:
 
     profile = load_profiles().get(C1_GPU)
     return judge_c1(matrix, profile.capacity_bytes if profile else None)
+
+
+def merged_matrices(matrices: list[pd.DataFrame]) -> pd.DataFrame | None:
+    """Several serving matrices as one: a row per size, GPU, weights and GPUs per replica (1 in a matrix older
+    than --tp), the last given winning; None for none."""
+    if not matrices:
+        return None
+    matrix = pd.concat(matrices, ignore_index=True)
+    matrix["gpus"] = pd.to_numeric(matrix["gpus"], errors="coerce").fillna(1).astype(int) if "gpus" in matrix else 1
+    return matrix.drop_duplicates(["size", "gpu", "weights", "gpus"], keep="last").reset_index(drop=True)
 
 
 def read_matrix(path) -> pd.DataFrame:

@@ -257,7 +257,8 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
     rows["hourly"] = rows["usd_per_hour"] * gpus
     rows["replica"] = [gpu if count == 1 else f"{int(count)}x {gpu}" for gpu, count in zip(rows["gpu"], gpus,
                                                                                               strict=True)]
-    rows["price"] = rows["gpu"].map(lambda g: prices[g].label if g in prices else "")
+    rows["price"] = [(prices[gpu].label + (f" each, {int(count)} GPUs" if count > 1 else "")) if gpu in prices else ""
+                     for gpu, count in zip(rows["gpu"], gpus, strict=True)]
     context = batch.removeprefix("max_batch_") if batch else ""
     # `headroom serve-matrix` compiles the decode unless told --eager: the heading says which was costed.
     techniques = matrix["technique"].dropna() if "technique" in matrix else []

@@ -76,7 +76,8 @@ def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
     figure = {"name": "serve-matrix", "svg": fit_chart(matrix, batches[0]),
               "title": f"Largest batch per GPU at {batches[0].removeprefix('max_batch_')} tokens (projected)"}
     return {"headers": [h for _, h, _ in columns], "rows": rows, "figure": figure,
-            "c1": c1_verdict, "context": batches[0].removeprefix("max_batch_")}
+            "c1": c1_verdict, "context": batches[0].removeprefix("max_batch_"),
+            "identity": 3 + len(replicas)}  # size, GPU, [GPUs per replica,] weights: left of the reason
 
 
 def _batch(value) -> str:

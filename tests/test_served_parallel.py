@@ -12,7 +12,8 @@ from harness.profiles import load_profiles
 from harness.project import project, project_outcome
 from harness.project.communication import ring_latency_s
 from harness.project.query import with_degrees
-from harness.project.served_parallel import local_served_cell, served_collectives
+from harness.project.served_parallel import local_served_cell, search_cell, served_collectives
+from harness.serve_matrix import MatrixRequest, serve_matrix
 
 PROFILES = load_profiles()
 PROMPT, GENERATED = 5, 20
@@ -32,7 +33,7 @@ def _served(size: str, gpu: str, ranks: int, technique: str = "bf16-weights+comp
     ("h100-pcie", 2, "all_reduce", 6.6 + 0.6 * 2),  # an NVLink bridge joins a pair ...
     ("h100-pcie", 4, "all_reduce", 6.6 + 1.0 * 6),  # ... a group of four crosses PCIe
     ("l4", 2, "all_reduce", 6.6 + 1.0 * 2),
-    ("mi300x", 2, "all_reduce", 12.0 + 0.8 * 2),  # RCCL's own figures
+    ("mi300x", 2, "all_reduce", 12.0 + 2.2 * 2),  # RCCL's own figures, over PCIe as its bandwidth is
     ("h100-sxm", 1, "all_reduce", 0.0),
 ])
 def test_a_ring_collective_costs_what_nccls_latency_model_says(gpu, ranks, collective, expected_us):
@@ -55,6 +56,7 @@ def test_a_rank_holds_half_the_weights_and_cache_and_every_decode_step_waits_on_
     assert decode.all_reduce_bytes == 4096 * 2  # one token's activation in bf16
     assert decode.gathered_bytes == 16000 * 2  # this rank's half of the 32,000 logits
     assert served.serving.decode_ms_mean == pytest.approx((alone.decode_mean_s + decode.seconds) * 1e3)
+    assert served_collectives(local, 2, "bf16", PROMPT).gathered_bytes == decode.gathered_bytes  # last position only
     assert decode.seconds > 65 * ring_latency_s(PROFILES["h100-sxm"].per_device(), 2, "all_reduce")
     prefill = served_collectives(local, 2, "bf16", PROMPT)
     assert served.comm_bytes_per_step == round(prefill.sent_bytes + (GENERATED - 1) * decode.sent_bytes)
@@ -128,11 +130,54 @@ def test_every_published_tensor_parallel_decode_names_a_cell_the_projection_answ
 
     import pandas as pd
 
-    from harness.project.served_parallel import search_cell
-
     published = pd.read_csv(Path(__file__).resolve().parents[1] / "benchmarks/data/published_tp_decode.csv")
     assert len(published) >= 10 and published["source"].str.contains("gpt-fast").all()
     assert set(published["ranks"]) == {1, 2, 4, 8}
     for row in published.to_dict("records"):
         cell = _served(row["size"], row["gpu"], int(row["ranks"]), row["technique"])
-        assert search_cell(cell).unsupported is None, row["label"]
+        assert cell.unsupported is None and search_cell(cell).unsupported is None, row["label"]
+
+
+def test_each_rank_sends_the_ring_algorithms_share_of_every_collective():
+    local = local_served_cell(_served("gpt-7b", "h100-sxm", 4), 4)
+    decode = served_collectives(local, 4, "bf16", 1)
+    # 65 all-reduces of one token's 4096 bf16 values, 2 (t - 1) / t of each sent; 8,000 logits to each of 3 others.
+    assert decode.sent_bytes == 65 * 2 * 3 / 4 * 4096 * 2 + 3 * 8000 * 2
+
+
+def test_gpt_fasts_layout_keeps_the_vocabulary_whole_on_every_rank_with_no_collective_of_its_own():
+    cell = _served("gpt-7b", "h100-sxm", 2)
+    whole = served_collectives(local_served_cell(cell, 2, vocabulary=False), 2, "bf16", 1, vocabulary=False)
+    assert whole.all_reduces == 64 and whole.gathered_bytes == 0
+    sharded, kept = (project(local_served_cell(cell, 2, vocabulary=v)).memory.params for v in (True, False))
+    assert kept - sharded == pytest.approx(2 * 32000 * 4096 * 2 / 2, rel=1e-3)  # half of embedding + head, in bf16
+
+
+@pytest.mark.parametrize("size,ranks,message", [
+    ("gpt-7b", 3, "32 query and 32 key/value heads do not split over 3 ranks"),
+    ("mixtral-8x7b", 2, "experts are not sharded by tensor-parallel here"),
+])
+def test_a_group_the_model_cannot_be_cut_for_is_an_unsupported_row_without_a_search(size, ranks, message):
+    from harness.project.query import ProjectRequest, projected_rows
+
+    for search in ({"max_batch": True}, {"max_context": True}, {}):
+        request = ProjectRequest(gpu="h100-sxm", size=size, mode="infer", tp=ranks,
+                                 technique="tensor-parallel+bf16-weights", **search)
+        (record,) = projected_rows(request, PROFILES)
+        assert record.status == "unsupported" and message in record.reason, (search, record.reason)
+    matrix = serve_matrix(MatrixRequest(sizes=(size,), gpus=("h100-sxm",), weights=("bf16",), contexts=(4096,),
+                                        replica_gpus=(ranks,)), PROFILES)
+    assert message in matrix["notes"][0]
+
+
+def test_merged_matrices_keep_each_replica_size_and_the_last_of_a_repeated_row():
+    import pandas as pd
+
+    from harness.serve_matrix import merged_matrices
+
+    old = pd.DataFrame([{"size": "gpt-70b", "gpu": "h100-sxm", "weights": "bf16", "max_batch_4k": 0}])
+    new = pd.DataFrame([{"size": "gpt-70b", "gpu": "h100-sxm", "weights": "bf16", "gpus": g, "max_batch_4k": b}
+                        for g, b in ((1, 0), (2, 10), (4, 58))])
+    merged = merged_matrices([old, new])
+    assert list(merged["gpus"]) == [1, 2, 4] and list(merged["max_batch_4k"]) == [0, 10, 58]
+    assert merged_matrices([]) is None

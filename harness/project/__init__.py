@@ -78,11 +78,10 @@ def project_outcome(cell: ResolvedCell) -> Outcome:
     """The projected outcome of `cell`: ok, oom (does not fit, with the numbers), unsupported or
     error; never raises for a problem of the cell itself."""
     started = time.perf_counter()
-    served_parallel = cell.stack.parallel and cell.mode == "infer"
-    if cell.unsupported and not served_parallel:  # a served stack's own check comes with its rank's cell
+    if cell.unsupported:
         return failure("unsupported", cell.unsupported)
     try:
-        if served_parallel:  # a served decoder over a tensor-parallel group (harness/project/served_parallel.py)
+        if cell.stack.parallel and cell.mode == "infer":  # over a tensor-parallel group (served_parallel.py)
             from harness.project.served_parallel import project_served  # it builds on this module
 
             return project_served(cell, outcome_of, started)

@@ -71,20 +71,20 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
 # NVLink, 1.0 us over PCIe. So 7.8 / 10.2 / 15.0 us for an all-reduce on 2 / 4 / 8 NVLink GPUs; sglang's CUDA-graph
 # captured 8-GPU H100 all-reduces measure 16.8-17.8 us (sgl-project/sglang#22734), within 20% of the model's 15.
 # AMD's RCCL keeps the same model with its own figures (ROCm/rccl src/graph/tuning.cc: baseLat Ring/LL 12.0 us,
-# hwLat Ring/LL 0.8 us over xGMI, which it files as NVLink).
+# hwLat Ring/LL 0.8 us over xGMI, 2.2 us over PCIe).
 RING_LATENCY_S = {"nccl": {"base": 6.6e-6, "nvlink": 0.6e-6, "pci": 1.0e-6},
-                  "rccl": {"base": 12.0e-6, "nvlink": 0.8e-6, "pci": 1.0e-6}}
+                  "rccl": {"base": 12.0e-6, "nvlink": 0.8e-6, "pci": 2.2e-6}}
 RING_HOPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1}
 
 
 def ring_latency_s(profile, ranks: int, collective: str) -> float:
     """Seconds a ring `collective` over `ranks` GPUs of a node takes before its bytes count (NCCL's or RCCL's
-    model): over the GPUs' own links where every member has one (NVLink, Infinity Fabric; a bridge joins two),
-    over PCIe otherwise."""
+    model), hop by hop over the link `link_bytes_s` costs the bytes on: NVLink where every member has it (a
+    bridge joins two), PCIe otherwise (Infinity Fabric too: the profiles give no aggregate bandwidth for it)."""
     if ranks <= 1:
         return 0.0
     link = (profile.interconnect or {}).get("gpu_link", "")
-    direct = (link.startswith("NVLink") or link.startswith("Infinity")) and ("bridge" not in link or ranks <= 2)
+    direct = link.startswith("NVLink") and ("bridge" not in link or ranks <= 2)
     figures = RING_LATENCY_S["rccl" if profile.vendor == "amd" else "nccl"]
     return figures["base"] + RING_HOPS[collective](ranks) * figures["nvlink" if direct else "pci"]
 

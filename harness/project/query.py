@@ -23,7 +23,7 @@ from harness.project.search import (
     max_parallel_batch,
     smallest_batch,
 )
-from harness.project.served_parallel import local_served_cell, search_cell, tensor_degree
+from harness.project.served_parallel import search_cell, tensor_degree
 from harness.records import Record
 from suites.techniques import Unsupported
 
@@ -127,13 +127,10 @@ def _resolve(request: ProjectRequest, profiles) -> ResolvedCell:
             raise ValueError(f"--seq-len must be between 1 and {limit} for {spec.name}, got {request.seq_len}")
         spec = dataclasses.replace(spec, seq_len=request.seq_len)
     if request.mode == "infer" and cell.stack.parallel:
-        # A served tensor-parallel group: its rank's cell decides what runs (the technique's own check refuses
-        # the measured kind, which is not built).
-        try:
-            served = local_served_cell(cell, tensor_degree(cell))
+        try:  # a layout the served group cannot take is the request's mistake: refused at the door
+            tensor_degree(cell)
         except Unsupported as exc:
             raise ValueError(str(exc)) from None
-        cell = dataclasses.replace(cell, unsupported=served.unsupported)
     # Data (and expert) parallelism keeps each GPU's batch and multiplies the global one (weak scaling), and a pipeline
     # runs its micro-batches of the size's batch, unless the batch is given.
     return cell.with_spec(spec).with_batch(request.batch_size or spec.batch_size * (request.dp or 1)
@@ -279,6 +276,9 @@ def largest_model_answers(request: ProjectRequest, profiles) -> list[dict]:
     if ignored:
         raise ValueError(f"--largest-model searches every size of {request.workload} at its smallest batch: "
                          f"drop {', '.join(ignored)}")
+    if request.mode == "infer" and request.tp:
+        raise ValueError("--largest-model does not search a tensor-parallel group yet: ask each --size with --tp N "
+                         "(or headroom serve-matrix --tp N), or drop --tp for one GPU")
     answers = []
     for cell in _resolve_all(request, profiles):
         answer = largest_model(cell)

@@ -1,14 +1,16 @@
-"""A served decoder over t GPUs of a node with tensor parallelism (Megatron's layout, as gpt-fast and vLLM serve
-a model too large or too slow for one GPU): each rank holds 1/t of every attention and MLP module (whole heads
-and neurons, so 1/t of the KV cache too) and of the vocabulary, so a step reads 1/t of the bytes; after each
+"""A served decoder over t GPUs of a node with tensor parallelism (Megatron's layout, as vLLM serves a model too
+large or too slow for one GPU): each rank holds 1/t of every attention and MLP module (whole heads and neurons,
+so 1/t of the KV cache too) and of the vocabulary, so a step reads about 1/t of the bytes; after each
 row-parallel output (the attention's and the MLP's: two per block) and the vocabulary-parallel embedding the
-ranks all-reduce a [batch, tokens, d] activation, and the head's logits are all-gathered for sampling.
+ranks all-reduce a [batch, tokens, d] activation, and the head's last-position logits are all-gathered for
+sampling. gpt-fast keeps the embedding and head whole on every rank instead (`vocabulary=False`): no embedding
+all-reduce and no gather, but every rank reads the whole vocabulary's weights.
 
 One rank's part is traced (harness/project/tensor_parallel.rank_part, as for training) and its generation
 projected as any served cell's; each phase then adds its collectives, which nothing overlaps (each layer waits
 for its all-reduce). A decode step's carry kilobytes, so their time is NCCL's latency, not the link's
 bandwidth (harness/project/communication.ring_latency_s). Checked against gpt-fast's published tensor-parallel
-decodes, which no constant here was fitted on: benchmarks/tp_decode_validation.py.
+decodes, in gpt-fast's layout, which no constant here was fitted on: benchmarks/tp_decode_validation.py.
 """
 
 from __future__ import annotations
@@ -23,24 +25,28 @@ from suites.techniques import Stack, Unsupported
 from suites.techniques.base import Phase
 from suites.techniques.parallel import degree
 
-# Bytes per element of the activations the all-reduces carry and of the gathered logits: the weights' dtype
-# (a served decoder computes in it), fp32 otherwise.
-ELEMENT_BYTES = {"bf16": 2, "fp16": 2}
+# Bytes per element of the activations the all-reduces carry and of the gathered logits: the weights' or
+# autocast's 16-bit dtype, fp32 otherwise.
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "bf16-mixed": 2, "fp16-mixed": 2, "fp8-mixed": 2}
 
 
 @dataclasses.dataclass(frozen=True)
 class ServedCollectives:
-    """What one rank sends per forward of `tokens` tokens per row, and the seconds it takes."""
+    """One rank's collectives per forward of `tokens` tokens per row, and the seconds they take."""
 
-    all_reduces: int  # per forward: two per block, one for the vocabulary-parallel embedding
+    ranks: int
+    all_reduces: int  # per forward: two per block, one for a vocabulary-parallel embedding
     all_reduce_bytes: int  # each one's buffer
-    gathered_bytes: int  # the logits all-gathered (each rank's part)
+    gathered_bytes: int  # the logits all-gathered: this rank's part (0: a whole head, nothing gathered)
     seconds: float
     link: str
 
     @property
     def sent_bytes(self) -> float:
-        return self.all_reduces * self.all_reduce_bytes + self.gathered_bytes
+        """Bytes this rank sends (ring algorithms): 2 (t - 1) / t of each all-reduce's buffer, its part of the
+        logits to each of the t - 1 others."""
+        share = (self.ranks - 1) / self.ranks
+        return self.all_reduces * 2 * share * self.all_reduce_bytes + (self.ranks - 1) * self.gathered_bytes
 
 
 def tensor_degree(cell: ResolvedCell) -> int:
@@ -48,6 +54,9 @@ def tensor_degree(cell: ResolvedCell) -> int:
     for a group larger than a node (its per-layer collectives would cross the network)."""
     parallel = [t for t in cell.stack.techniques if t.phase in (Phase.PARALLEL, Phase.DATA_PARALLEL)]
     others = sorted({base_name(t) for t in parallel} - {"tensor-parallel"})
+    if "sequence-parallel" in others:
+        raise Unsupported("sequence-parallel shards a training step's norms and dropout along the sequence; a served "
+                          "decoder's step is one token: drop it (tensor-parallel alone)")
     if others:
         raise Unsupported(f"serving is projected with tensor-parallel alone; {', '.join(others)} split training "
                           "steps (a served model is replicated for more requests, not sharded by them): drop them")
@@ -62,13 +71,31 @@ def tensor_degree(cell: ResolvedCell) -> int:
     return ranks
 
 
-def local_served_cell(cell: ResolvedCell, ranks: int) -> ResolvedCell:
-    """The cell one rank serves: its part of the model (logits gathered whole, as sampling needs them) under
-    the stack's other techniques, on one GPU."""
+def local_served_cell(cell: ResolvedCell, ranks: int, vocabulary: bool = True) -> ResolvedCell:
+    """The cell one rank serves: its part of the model (logits gathered whole, as sampling needs them; the
+    embedding and head whole without `vocabulary`) under the stack's other techniques, on one GPU."""
     kept = tuple(t for t in cell.stack.techniques if t.phase not in (Phase.PARALLEL, Phase.DATA_PARALLEL))
-    stack = Stack((rank_part(ranks, gathered_logits=True),) + kept)
+    stack = Stack((rank_part(ranks, gathered_logits=True, vocabulary=vocabulary),) + kept)
     return dataclasses.replace(cell, stack=stack, unsupported=Stack(kept).check(cell.profile, cell.workload, "infer"),
                                cell=dataclasses.replace(cell.cell, technique=stack.name, world_size=1))
+
+
+def served_verdict(cell: ResolvedCell) -> str | None:
+    """Why a served tensor-parallel cell cannot be projected (None: it can): what the rank's stack and the
+    group's layout allow, in place of the tensor-parallel technique's own check, which refuses the measured kind
+    (not built)."""
+    if cell.spec.gen_len is None:
+        return (f"tensor-parallel serving is projected for generating decoders; {cell.workload.name}'s one-pass "
+                "inference over several GPUs is not (project it on one GPU)")
+    if cell.spec.config.get("n_experts"):
+        return (f"{cell.spec.name}'s experts are not sharded by tensor-parallel here (each rank would hold every "
+                "expert whole); serve it on one GPU with quantised weights")
+    try:
+        ranks = tensor_degree(cell)
+        sharded_model_figures(cell.workload, cell.spec, ranks)  # Unsupported where heads or neurons do not split
+        return local_served_cell(cell, ranks).unsupported
+    except Unsupported as exc:
+        return str(exc)
 
 
 def search_cell(cell: ResolvedCell) -> ResolvedCell:
@@ -77,17 +104,16 @@ def search_cell(cell: ResolvedCell) -> ResolvedCell:
     return local_served_cell(cell, tensor_degree(cell)) if cell.mode == "infer" and cell.stack.parallel else cell
 
 
-def served_collectives(cell: ResolvedCell, ranks: int, precision: str, tokens: int) -> ServedCollectives | None:
-    """One rank's collectives for a forward of `tokens` tokens per row of the batch; None where the profile
-    gives no link between its GPUs."""
-    part = sharded_model_figures(cell.workload, cell.spec, ranks)
+def served_collectives(cell: ResolvedCell, ranks: int, precision: str, tokens: int,
+                       vocabulary: bool = True) -> ServedCollectives | None:
+    """One rank's collectives for a forward of `tokens` tokens per row of the batch (the embedding and head
+    whole without `vocabulary`); None where the profile gives no link between its GPUs."""
+    part = sharded_model_figures(cell.workload, cell.spec, ranks, vocabulary)
     element = ELEMENT_BYTES.get(precision, 4)
-    rows = cell.batch_size * tokens
-    buffer = rows * part.width * element
+    buffer = cell.batch_size * tokens * part.width * element
     all_reduces = part.sharded + (1 if part.embedding else 0)
-    # The last position's logits are sampled: gpt-fast's and torchao's generate.py gather every position's
-    # at the prefill (the model returns them all), one per row at a decode step.
-    gathered = rows * -(-part.logits_rows // ranks) * element if part.logits_rows else 0
+    # Only the last position's logits are computed and sampled (the served forward's last_only), each row's.
+    gathered = cell.batch_size * -(-part.logits_rows // ranks) * element if part.logits_rows else 0
     profile = cell.profile.per_device()
     link, described = link_bytes_s(profile, ranks)
     if link is None:
@@ -96,7 +122,7 @@ def served_collectives(cell: ResolvedCell, ranks: int, precision: str, tokens: i
     seconds = all_reduces * (ring_latency_s(profile, ranks, "all_reduce") + 2 * share * buffer / link)
     if gathered:
         seconds += ring_latency_s(profile, ranks, "all_gather") + share * gathered * ranks / link
-    return ServedCollectives(all_reduces, buffer, gathered, seconds, described)
+    return ServedCollectives(ranks, all_reduces, buffer, gathered, seconds, described)
 
 
 def with_collectives(generation, prefill: ServedCollectives, decode: ServedCollectives):
@@ -106,39 +132,43 @@ def with_collectives(generation, prefill: ServedCollectives, decode: ServedColle
                                decode_last_s=generation.decode_last_s + decode.seconds)
 
 
-def project_served(cell: ResolvedCell, outcome_of, started: float):
+def project_served(cell: ResolvedCell, outcome_of, started: float, vocabulary: bool = True):
     """The projected outcome of a served decoder over a tensor-parallel group: one rank's memory (every rank
-    holds as much), and the generation's times with the collectives each forward waits on. `outcome_of` is the
-    package's outcome assembly (harness/project/__init__.py), passed in as it builds on this module."""
+    holds as much), and the generation's times with the collectives each forward waits on (the embedding and
+    head whole on every rank without `vocabulary`, as gpt-fast serves). `outcome_of` is the package's outcome
+    assembly (harness/project/__init__.py), passed in as it builds on this module."""
     from harness.project import project  # the package builds on this module
 
-    if cell.spec.gen_len is None:
-        raise Unsupported(f"tensor-parallel serving is projected for generating decoders; {cell.workload.name} "
-                          "one-pass inference over several GPUs is not (project it on one GPU)")
+    verdict = served_verdict(cell)
+    if verdict:
+        raise Unsupported(verdict)
     ranks = tensor_degree(cell)
-    local = local_served_cell(cell, ranks)
-    if local.unsupported:
-        raise Unsupported(local.unsupported)
+    local = local_served_cell(cell, ranks, vocabulary)
     projection = project(local)
     generation, precision = projection.generation, projection.trace.precision
     notes = projection.memory.notes
     if generation is not None:
-        prefill = served_collectives(local, ranks, precision, cell.spec.seq_len or 1)
-        decode = served_collectives(local, ranks, precision, 1)
+        prefill = served_collectives(local, ranks, precision, cell.spec.seq_len or 1, vocabulary)
+        decode = served_collectives(local, ranks, precision, 1, vocabulary)
         if prefill is None or decode is None:
             notes.append(f"no step time: no link between {cell.profile.id}'s GPUs is known "
-                         "(interconnect.gpu_link_gb_s)")
+                         "(interconnect.gpu_link_gb_s or host_link_gb_s)")
             projection = dataclasses.replace(projection, time=None, generation=None)
         else:
             generation = with_collectives(generation, prefill, decode)
             projection = dataclasses.replace(projection, time=generation.as_step(), generation=generation)
+            waits = (f"{decode.all_reduces} all-reduces" + (" and the logits' all-gather" if decode.gathered_bytes
+                                                             else ""))
             notes.append(
-                f"{ranks}-way tensor-parallel serving: each rank reads 1/{ranks} of the weights and KV cache; every "
-                f"forward waits on {decode.all_reduces} all-reduces (two per block, one for the embedding) and the "
-                f"logits' all-gather over {decode.link}: {decode.seconds * 1e3:.3f} ms per decode step "
+                f"{ranks}-way tensor-parallel serving: each rank holds 1/{ranks} of the attention and MLP weights"
+                + (" and of the vocabulary" if vocabulary else "") + f" and of the KV cache; every forward waits on "
+                f"{waits} over {decode.link}: {decode.seconds * 1e3:.3f} ms per decode step "
                 f"({decode.seconds / generation.decode_mean_s:.0%} of it), {prefill.seconds * 1e3:.3f} ms in the "
                 "prefill, at NCCL's latency model (not fitted; benchmarks/tp_decode_validation.py judges it on "
                 "gpt-fast's published decodes)")
+            if not projection.trace.compiled:
+                notes.append("eager: the host's cost of issuing each collective (and waiting on it) is not counted; "
+                             "servers replay a compiled step as CUDA graphs (+compile)")
     outcome = outcome_of(local, projection, started, served_by=(
         "tensor-parallel serving's collectives are costed at NCCL's latency model, never fitted "
         "(benchmarks/tp_decode_validation.py gives its error on published decodes)"))

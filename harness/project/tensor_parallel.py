@@ -169,9 +169,11 @@ def keep_vocabulary_part(model: nn.Module, workload, ranks: int, gathered: bool 
                 else VocabularyHead(layer, ranks, gathered))
 
 
-def keep_rank_part(model: nn.Module, workload, ranks: int, gathered_logits: bool = False) -> int:
+def keep_rank_part(model: nn.Module, workload, ranks: int, gathered_logits: bool = False,
+                   vocabulary: bool = True) -> int:
     """Shrink `model` in place to what one of `ranks` tensor-parallel ranks holds (its logits gathered whole or,
-    by default, sharded for loss parallelism); the modules sharded."""
+    by default, sharded for loss parallelism; the embedding and head whole on every rank without `vocabulary`,
+    as gpt-fast serves); the modules sharded."""
     attention, mlp = workload.traits.attention, workload.traits.mlp
     modules = tp_modules(model, workload, ranks)
     for module, kind in modules:
@@ -187,19 +189,21 @@ def keep_rank_part(model: nn.Module, workload, ranks: int, gathered_logits: bool
                     setattr(module, name, _narrowed(layer, outputs=layer.out_features // ranks))
             down = getattr(module, mlp.down)
             setattr(module, mlp.down, _narrowed(down, inputs=down.in_features // ranks))
-    keep_vocabulary_part(model, workload, ranks, gathered_logits)
+    if vocabulary:
+        keep_vocabulary_part(model, workload, ranks, gathered_logits)
     return len(modules)
 
 
-def rank_part(ranks: int, gathered_logits: bool = False) -> Technique:
-    """A projection-only technique that keeps one tensor-parallel rank's part of the model."""
+def rank_part(ranks: int, gathered_logits: bool = False, vocabulary: bool = True) -> Technique:
+    """A projection-only technique that keeps one tensor-parallel rank's part of the model (its embedding and
+    head whole without `vocabulary`)."""
 
     def apply(run: Run) -> None:
-        found = set(vocabulary_modules(run.model, run.workload).values())
+        found = set(vocabulary_modules(run.model, run.workload).values()) if vocabulary else set()
         head = head_vocabulary(run.model, run.workload) > 0
         layers = "the embedding and the head tied to it" if head and "head" not in found \
             else f"the {' and '.join(sorted(found))}"
-        keep_rank_part(run.model, run.workload, ranks, gathered_logits)
+        keep_rank_part(run.model, run.workload, ranks, gathered_logits, vocabulary)
         logits = "logits gathered whole" if gathered_logits or not head else "logits sharded, loss parallel"
         if head and not gathered_logits:
             run.loss_context = ShardedLoss
@@ -208,7 +212,9 @@ def rank_part(ranks: int, gathered_logits: bool = False) -> Technique:
                          + (f", {layers} at 1/{ranks} of the vocabulary ({logits})" if found else "")
                          + ", the rest whole")
 
-    return Technique(id=f"tensor-parallel-rank:t={ranks}", phase=Phase.PARALLEL, changes_numerics=False,
+    # The id names what is traced (traces are cached by the stack's name).
+    return Technique(id=f"tensor-parallel-rank:t={ranks}" + ("" if vocabulary else ":vocabulary=whole"),
+                     phase=Phase.PARALLEL, changes_numerics=False,
                      summary="one tensor-parallel rank's part of the model (projection only)",
                      check=lambda profile, workload, mode: None, apply=apply)
 
@@ -234,13 +240,13 @@ class ShardedModel:
     logits_rows: int  # the vocabulary of the vocabulary-parallel head (0: none)
 
 
-def sharded_model_figures(workload, spec, ranks: int) -> ShardedModel:
-    """The model of `spec` on the meta device as one of `ranks` tensor-parallel ranks holds it, with the
-    figures its tensor-parallel collectives are costed from."""
+def sharded_model_figures(workload, spec, ranks: int, vocabulary: bool = True) -> ShardedModel:
+    """The model of `spec` on the meta device as one of `ranks` tensor-parallel ranks holds it (its embedding
+    and head whole without `vocabulary`), with the figures its tensor-parallel collectives are costed from."""
     with torch.device("meta"):
         model = workload.build(spec)
-    found = vocabulary_modules(model, workload) if ranks > 1 else {}
-    rows = head_vocabulary(model, workload) if ranks > 1 else 0
-    sharded = keep_rank_part(model, workload, ranks) if ranks > 1 else 0
+    found = vocabulary_modules(model, workload) if ranks > 1 and vocabulary else {}
+    rows = head_vocabulary(model, workload) if ranks > 1 and vocabulary else 0
+    sharded = keep_rank_part(model, workload, ranks, vocabulary=vocabulary) if ranks > 1 else 0
     width = activation_width(model, workload) if workload.traits.attention else 0
     return ShardedModel(model, sharded, width, "embedding" in found.values(), rows)
