@@ -49,6 +49,21 @@ class ServedCollectives:
         return self.all_reduces * 2 * share * self.all_reduce_bytes + (self.ranks - 1) * self.gathered_bytes
 
 
+# The figures of a rank's part per (workload, size entry, ranks, vocabulary layout): building a 70B model on the
+# meta device takes about a second, and a projection asks for them at resolve time and again for each phase.
+_PARTS: dict[tuple, tuple[int, int, bool, int]] = {}
+
+
+def rank_part_figures(workload, spec, ranks: int, vocabulary: bool = True) -> tuple[int, int, bool, int]:
+    """(modules sharded, activation width, embedding vocabulary-parallel, head vocabulary) of one rank's part
+    (harness/project/tensor_parallel.sharded_model_figures, remembered); Unsupported where it does not split."""
+    key = (workload.name, repr(spec), ranks, vocabulary)
+    if key not in _PARTS:
+        part = sharded_model_figures(workload, spec, ranks, vocabulary)
+        _PARTS[key] = (part.sharded, part.width, part.embedding, part.logits_rows)
+    return _PARTS[key]
+
+
 def tensor_degree(cell: ResolvedCell) -> int:
     """The served cell's tensor-parallel degree; Unsupported where the stack asks for another parallelism, or
     for a group larger than a node (its per-layer collectives would cross the network)."""
@@ -92,7 +107,7 @@ def served_verdict(cell: ResolvedCell) -> str | None:
                 "expert whole); serve it on one GPU with quantised weights")
     try:
         ranks = tensor_degree(cell)
-        sharded_model_figures(cell.workload, cell.spec, ranks)  # Unsupported where heads or neurons do not split
+        rank_part_figures(cell.workload, cell.spec, ranks)  # Unsupported where heads or neurons do not split
         return local_served_cell(cell, ranks).unsupported
     except Unsupported as exc:
         return str(exc)
@@ -108,12 +123,12 @@ def served_collectives(cell: ResolvedCell, ranks: int, precision: str, tokens: i
                        vocabulary: bool = True) -> ServedCollectives | None:
     """One rank's collectives for a forward of `tokens` tokens per row of the batch (the embedding and head
     whole without `vocabulary`); None where the profile gives no link between its GPUs."""
-    part = sharded_model_figures(cell.workload, cell.spec, ranks, vocabulary)
+    sharded, width, embedding, logits_rows = rank_part_figures(cell.workload, cell.spec, ranks, vocabulary)
     element = ELEMENT_BYTES.get(precision, 4)
-    buffer = cell.batch_size * tokens * part.width * element
-    all_reduces = part.sharded + (1 if part.embedding else 0)
+    buffer = cell.batch_size * tokens * width * element
+    all_reduces = sharded + (1 if embedding else 0)
     # Only the last position's logits are computed and sampled (the served forward's last_only), each row's.
-    gathered = cell.batch_size * -(-part.logits_rows // ranks) * element if part.logits_rows else 0
+    gathered = cell.batch_size * -(-logits_rows // ranks) * element if logits_rows else 0
     profile = cell.profile.per_device()
     link, described = link_bytes_s(profile, ranks)
     if link is None:
