@@ -24,7 +24,9 @@ def test_hf_configs_and_a_factory_model_are_measured_with_projected_twins(config
     out = tmp_path / "run"
     argv = ["run", "--gpu", "cpu", "--hf-config", str(configs["llama"]), "--hf-config", str(configs["bert"]),
             "--model", "tests.user_models:resnet18_small", "--technique", "baseline,checkpointing",
-            "--mode", "train", "--out", str(out), "--no-report", "--cell-timeout", "300"]
+            "--mode", "train", "--out", str(out), "--no-report", "--cell-timeout", "300",
+            # one short timed loop: the test pins the paths and the twins, not the timings
+            "--warmup", "1", "--repeats", "1"]
     assert main(argv) == 0
     frame = pd.read_parquet(out / "results.parquet")
     assert len(frame) == 3 * 2 * 2  # 3 models x 2 stacks, each measured and projected
