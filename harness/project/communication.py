@@ -19,6 +19,24 @@ SHARDED = ("fsdp", "fsdp-zero2", "cpu-offload")
 DEFAULT_NODE_GPUS = 8
 
 
+def node_gpus(profile) -> int:
+    """The GPUs of one node of `profile` (its interconnect's `node_gpus`, else an HGX baseboard's eight)."""
+    return (profile.interconnect or {}).get("node_gpus") or DEFAULT_NODE_GPUS
+
+
+def intra_node_link(profile, ranks: int) -> str:
+    """The link a group of `ranks` consecutive GPUs uses inside a node, as NCCL classes it: `nvlink` where
+    every member reaches the next over NVLink (an NVSwitch joins a node's GPUs, a bridge joins a pair), else
+    `pci` (through the host: PCIe cards, and AMD's Infinity Fabric, whose ring bandwidth no profile gives)."""
+    links = profile.interconnect or {}
+    gpu_link = links.get("gpu_link", "")
+    if not links.get("gpu_link_gb_s") or not gpu_link.startswith("NVLink"):
+        return "pci"
+    if "bridge" in gpu_link:
+        return "nvlink" if min(ranks, node_gpus(profile)) <= 2 else "pci"
+    return "nvlink"
+
+
 def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[float | None, str]:
     """One direction of the slowest link a group spanning `ranks` consecutive GPUs crosses, and which link
     that is: inside a node NVLink (its datasheet figure is both directions) or, without one, the host link;
@@ -38,9 +56,9 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
     the validation's 64-GPU A100 runs is not published; a 0.8 derating of every link moved those two rows of
     benchmarks/parallel_validation.py from -7.5% / -16.8% to -16.2% / -30.1% (2026-12-04)."""
     links = profile.interconnect or {}
-    node = links.get("node_gpus") or DEFAULT_NODE_GPUS
+    node = node_gpus(profile)
     nvlink, gpu_link = links.get("gpu_link_gb_s"), links.get("gpu_link", "")
-    switched = bool(nvlink) and gpu_link.startswith("NVLink") and "bridge" not in gpu_link  # every GPU of a node
+    switched = intra_node_link(profile, node) == "nvlink" and "bridge" not in gpu_link  # every GPU of a node
     if ranks > node:
         network = links.get("node_network_gb_s")
         if not network:
@@ -55,7 +73,7 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
                       f"({rate / 1e9:,.0f} GB/s)")
     if switched:
         return nvlink * 1e9 / 2, f"{gpu_link} ({nvlink:g} GB/s both ways)"
-    if nvlink and "bridge" in gpu_link and ranks <= 2:
+    if intra_node_link(profile, ranks) == "nvlink":
         # An NVLink bridge joins a pair of PCIe cards (H100 NVL, A100 PCIe): two consecutive GPUs talk over it,
         # a group of more crosses PCIe between pairs.
         return nvlink * 1e9 / 2, f"{gpu_link} of a GPU pair ({nvlink:g} GB/s both ways)"
@@ -65,28 +83,70 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
     return None, f"no GPU or host link bandwidth known for {profile.id}"
 
 
-# NCCL's own latency model of a ring collective with its low-latency protocol (what it picks for the kilobytes
-# of a decode step's all-reduce): a base cost plus one per hop, 2 (n - 1) hops for an all-reduce, n - 1 for an
-# all-gather. NVIDIA/nccl src/graph/tuning.cc (v2.19-2.23): baseLat Ring/LL 6.6 us; hwLat Ring/LL 0.6 us over
-# NVLink, 1.0 us over PCIe. So 7.8 / 10.2 / 15.0 us for an all-reduce on 2 / 4 / 8 NVLink GPUs; sglang's CUDA-graph
-# captured 8-GPU H100 all-reduces measure 16.8-17.8 us (sgl-project/sglang#22734), within 20% of the model's 15.
-# AMD's RCCL keeps the same model with its own figures (ROCm/rccl src/graph/tuning.cc: baseLat Ring/LL 12.0 us,
-# hwLat Ring/LL 0.8 us over xGMI, 2.2 us over PCIe).
-RING_LATENCY_S = {"nccl": {"base": 6.6e-6, "nvlink": 0.6e-6, "pci": 1.0e-6},
-                  "rccl": {"base": 12.0e-6, "nvlink": 0.8e-6, "pci": 2.2e-6}}
-RING_HOPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1}
+# NCCL's own cost model of a ring collective (NVIDIA/nccl src/graph/tuning.cc, v2.19-2.23), per protocol: a base
+# latency, a latency per ring step over NVLink, PCIe or the network, and the share of the link's bandwidth the
+# protocol's data gets (LL sends 4 bytes of data in each 8-byte flag word, and tuning.cc takes a quarter of the
+# bus bandwidth for an all-reduce or a ring across nodes, a third otherwise; LL128 0.92, 0.7 with one GPU per
+# node; Simple all of it). NCCL runs each collective in the protocol its model finds fastest (LL128 only over
+# NVLink, where it is enabled by default):
+# - LL for the kilobytes of a decode step: 7.8 / 10.2 / 15.0 us per all-reduce on 2 / 4 / 8 NVLink GPUs. sglang's
+#   CUDA-graph captured 8-GPU H100 all-reduces measure 16.8-17.8 us (sgl-project/sglang#22734), within 20% of 15.
+# - LL128 or Simple for a training step's megabytes.
+# AMD's RCCL keeps the model with its own latencies (ROCm/rccl src/graph/tuning.cc: base Ring LL 12.0 / Simple
+# 17.0 us; per step LL 0.8 / Simple 3.6 us over xGMI, 2.2 / 5.7 over PCIe) and no LL128; its network hops and
+# bandwidth shares are not in the figures we have, so NCCL's stand in.
+RING_PROTOCOLS = {
+    "nccl": {"LL": {"base": 6.6, "nvlink": 0.6, "pci": 1.0, "network": 2.7},
+             "LL128": {"base": 14.0, "nvlink": 1.9, "pci": 2.5, "network": 4.0},
+             "Simple": {"base": 8.4, "nvlink": 3.4, "pci": 5.7, "network": 14.0}},
+    "rccl": {"LL": {"base": 12.0, "nvlink": 0.8, "pci": 2.2, "network": 2.7},
+             "Simple": {"base": 17.0, "nvlink": 3.6, "pci": 5.7, "network": 14.0}},
+}
+# Ring steps of a collective over n ranks, and those that cross the network on k nodes (tuning.cc's nsteps and
+# nInterSteps). A reduce-scatter runs as an all-gather does.
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1}
+NETWORK_STEPS = {"all_reduce": lambda k: 2 * (k - 1), "all_gather": lambda k: k - 1}
 
 
-def ring_latency_s(profile, ranks: int, collective: str) -> float:
-    """Seconds a ring `collective` over `ranks` GPUs of a node takes before its bytes count (NCCL's or RCCL's
-    model), hop by hop over the link `link_bytes_s` costs the bytes on: NVLink where every member has it (a
-    bridge joins two), PCIe otherwise (Infinity Fabric too: the profiles give no aggregate bandwidth for it)."""
+def _bandwidth_share(protocol: str, collective: str, nodes: int, ranks: int) -> float:
+    if protocol == "LL":
+        return 1 / 4 if nodes > 1 or collective == "all_reduce" else 1 / 3
+    if protocol == "LL128":
+        return 0.7 if ranks / nodes < 2 else 0.92
+    return 1.0
+
+
+def _protocols(profile, ranks: int) -> dict[str, dict[str, float]]:
+    """The protocols NCCL (or RCCL) may run a ring in: LL128 only over NVLink, where NCCL enables it by default."""
+    protocols = RING_PROTOCOLS["rccl" if profile.vendor == "amd" else "nccl"]
+    if intra_node_link(profile, ranks) != "nvlink":
+        protocols = {name: figures for name, figures in protocols.items() if name != "LL128"}
+    return protocols
+
+
+def ring_latency_s(profile, ranks: int, collective: str, protocol: str = "LL") -> float:
+    """Seconds a ring `collective` over `ranks` consecutive GPUs takes in `protocol` before its bytes count:
+    the base latency plus one per ring step, each over the group's link inside a node (`intra_node_link`)
+    or, for the steps that leave a node, the network (where NCCL also slows LL's steps inside a node 1.8x)."""
     if ranks <= 1:
         return 0.0
-    link = (profile.interconnect or {}).get("gpu_link", "")
-    direct = link.startswith("NVLink") and ("bridge" not in link or ranks <= 2)
-    figures = RING_LATENCY_S["rccl" if profile.vendor == "amd" else "nccl"]
-    return figures["base"] + RING_HOPS[collective](ranks) * figures["nvlink" if direct else "pci"]
+    figures = RING_PROTOCOLS["rccl" if profile.vendor == "amd" else "nccl"][protocol]
+    nodes = -(-ranks // node_gpus(profile))
+    steps, network = RING_STEPS[collective](ranks), NETWORK_STEPS[collective](nodes)
+    intra = figures[intra_node_link(profile, ranks)] * (1.8 if nodes > 1 and protocol == "LL" else 1.0)
+    return (figures["base"] + (steps - network) * intra + network * figures["network"]) * 1e-6
+
+
+def ring_collective_s(profile, ranks: int, collective: str, sent_bytes: float, link_bytes_s: float) -> float:
+    """Seconds of one ring `collective` over `ranks` GPUs in which each rank sends `sent_bytes` over a link of
+    `link_bytes_s`: NCCL's model of each protocol (its latency, plus the bytes at its share of the link), at
+    the protocol that model finds fastest, as NCCL chooses."""
+    if ranks <= 1:
+        return 0.0
+    nodes = -(-ranks // node_gpus(profile))
+    return min(ring_latency_s(profile, ranks, collective, protocol)
+               + sent_bytes / (link_bytes_s * _bandwidth_share(protocol, collective, nodes, ranks))
+               for protocol in _protocols(profile, ranks))
 
 
 def collective_bytes(technique: str | None, dp: int, params: int, grads: int, micro_batches: int = 1,
@@ -169,6 +229,25 @@ def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: in
         return share * (gathers * stream_bytes + (2 * sharded + outputs_again) * output_bytes
                         + sequence_ends * stream_bytes)
     return 2 * share * ((sharded + outputs_again) * output_bytes + sharded * stream_bytes)
+
+
+def tensor_parallel_collectives(tp: int, sharded: int, recomputed: bool = False, skipped_outputs: int = 0,
+                                sequence_ends: int = 0, embedding: bool = False, head: bool = False,
+                                norms: bool = False) -> tuple[int, str]:
+    """How many collectives a tensor-parallel rank runs per micro-batch, and which ring they run as: the
+    transfers `tensor_parallel_bytes`, `vocabulary_parallel_bytes` and `norm_gradient_bytes_sent` count, one
+    collective each. All-reduces without sequence parallelism (each sharded module's forward and backward, the
+    recomputed ones, the embedding's, the head's input gradient and its gather); with it all-gathers and
+    reduce-scatters, which take a ring's n - 1 steps (the vocabulary's and the norms' all-reduces counted among
+    them, a small overcount of their latency's steps)."""
+    if tp == 1:
+        return 0, "all_reduce"
+    outputs_again = sharded - skipped_outputs if recomputed else 0
+    vocabulary = (1 if embedding else 0) + (2 if head else 0) + (1 if norms else 0)
+    if sequence_ends:
+        gathers = 2 * sharded + (sharded if recomputed else 0)
+        return gathers + 2 * sharded + outputs_again + sequence_ends + vocabulary, "all_gather"
+    return 2 * sharded + outputs_again + vocabulary, "all_reduce"
 
 
 def vocabulary_parallel_bytes(tp: int, elements: int, stream_bytes: int, embedding: bool, head: bool,

@@ -32,15 +32,17 @@ from harness.cell import ResolvedCell
 from harness.ledger import unfitted_interval
 from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
 from harness.project.communication import (
-    DEFAULT_NODE_GPUS,
     SHARDED,
     collective_bytes,
     data_parallel_windows,
     exposed_s,
     link_bytes_s,
+    node_gpus,
     norm_gradient_bytes_sent,
     pipeline_bytes,
+    ring_collective_s,
     tensor_parallel_bytes,
+    tensor_parallel_collectives,
     vocabulary_parallel_bytes,
 )
 from harness.project.expert_parallel import all_to_all_bytes, expert_figures
@@ -369,6 +371,9 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed,
                                                  skipped, ends) + vocabulary + norms,
                  "pipeline": pipeline, "expert": 0.0}
+    tensor_collectives = tensor_parallel_collectives(
+        layout.tp, sharded, recomputed, skipped, ends, embedding=part.embedding and layout.pp == 1,
+        head=part.logits_rows > 0 and not middle, norms=layout.sequence_parallel)
     if layout.ep > 1:
         per_micro["expert"] = all_to_all_bytes(layout.ep, moe, buffer, element) * (1 + 0.5 * recomputed)
         # What is not an expert trains data-parallel (all-reduced as DDP would) or sharded over the same ranks.
@@ -382,7 +387,7 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     comm_bytes = sum(sent.values()) + layout.micro_batches * sum(per_micro.values()) + tied_sent
     speed = None
     if fits is not False and projection.time is not None:
-        speed = _step(cell, layout, projection, sent, per_micro, rank, notes, master, tied_sent)
+        speed = _step(cell, layout, projection, sent, per_micro, rank, notes, master, tied_sent, tensor_collectives)
     status, reason = "ok", ""
     if fits is False:
         status = "oom"
@@ -397,16 +402,29 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
 
 def _tensor_across_nodes(layout: Layout, profile) -> list[str]:
     """A warning where the tensor-parallel group is larger than a node."""
-    node = (profile.interconnect or {}).get("node_gpus") or DEFAULT_NODE_GPUS
+    node = node_gpus(profile)
     if layout.tp <= node:
         return []
     return [f"warning: {layout.tp}-way tensor parallelism spans nodes of {node} GPUs: its collectives, several per "
-            "layer on the critical path, cross the network (their latency not modelled here); tensor-parallel groups "
+            "layer on the critical path, cross the network (costed at NCCL's network latency and a GPU's share of the "
+            "network); tensor-parallel groups "
             f"of at most {node} keep them inside a node"]
 
 
+def _tensor_collectives_s(profile, tp: int, sent: float, collectives: tuple[int, str], link: float | None) -> float:
+    """Seconds of a micro-batch's tensor-parallel collectives: `sent` bytes in `collectives` (a count and the ring
+    they run as), taken as equal parts, each at NCCL's ring model (communication.ring_collective_s)."""
+    count, ring = collectives
+    if not sent or not link:
+        return 0.0
+    if not count:
+        return sent / link
+    return count * ring_collective_s(profile, tp, ring, sent / count, link)
+
+
 def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float], per_micro: dict[str, float],
-          rank: RankMemory, notes: list[str], master: float = 1.0, tied_sent: float = 0.0) -> SpeedFigures | None:
+          rank: RankMemory, notes: list[str], master: float = 1.0, tied_sent: float = 0.0,
+          tensor_collectives: tuple[int, str] = (0, "all_reduce")) -> SpeedFigures | None:
     """The parallel step: (m + p - 1) pipeline slots of one micro-batch's compute and its tensor-, pipeline-
     and expert-parallel sends, then the end stages' all-reduce of a tied weight's gradient (after the last
     backward: nothing hides it), the optimizer step, the data-parallel communication not hidden, and an
@@ -414,8 +432,7 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
     profile = cell.profile.per_device()
     trace = projection.trace
     links = {"data": link_bytes_s(profile, layout.tp * layout.dp, ring_stride=layout.tp),
-             # Tensor parallelism's collectives are one per layer and latency-bound across nodes (no latency
-             # term here): a group past a node keeps a GPU's own share of the network, not its NICs together.
+             # A tensor-parallel group past a node keeps a GPU's own share of the network, not its NICs together.
              "tensor": link_bytes_s(profile, layout.tp),
              "expert": link_bytes_s(profile, layout.tp * layout.ep),
              "pipeline": link_bytes_s(profile, 2 * layout.tp * layout.dp)}
@@ -430,7 +447,9 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
             return None
     phases = {phase: estimate(trace, profile, phases=(phase,)).step_s for phase in ("forward", "backward", "optimizer")}
     micro_s = projection.time.step_s - phases["optimizer"]  # everything but the step, per micro-batch
-    sends_s = sum(size / links[kind][0] for kind, size in per_micro.items() if size)
+    sends_s = sum(size / links[kind][0] for kind, size in per_micro.items() if size and kind != "tensor")
+    tensor_s = _tensor_collectives_s(profile, layout.tp, per_micro["tensor"], tensor_collectives, links["tensor"][0])
+    sends_s += tensor_s
     slots = layout.micro_batches + layout.pp - 1
     # Expert parallelism's replicated rest is all-reduced as DDP would (hooks as gradients are ready).
     collective = layout.data_technique or ("data-parallel" if layout.ep > 1 else None)
@@ -449,7 +468,13 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
         notes.append(f"pipeline bubble {(layout.pp - 1) / slots:.0%} of the step ((p - 1) / (m + p - 1), "
                      f"{layout.pp - 1} idle slots of {slots})")
     for kind, size in per_micro.items():
-        if size:
+        if size and kind == "tensor":
+            count, ring = tensor_collectives
+            notes.append(f"tensor parallel sends {size / 2**20:,.1f} MiB per micro-batch in {count} "
+                         f"{ring.replace('_', '-')}s over {links[kind][1]}, on the critical path: "
+                         f"{tensor_s * 1e3:.2f} ms a micro-batch (NCCL's ring model: a latency per collective and "
+                         "ring step, then the bytes)")
+        elif size:
             notes.append(f"{kind} parallel sends {size / 2**20:,.1f} MiB per micro-batch over {links[kind][1]}, on "
                          f"the critical path: {size / links[kind][0] * 1e3:.2f} ms each")
     if tied_sent:

@@ -8,8 +8,8 @@ all-reduce and no gather, but every rank reads the whole vocabulary's weights.
 
 One rank's part is traced (harness/project/tensor_parallel.rank_part, as for training) and its generation
 projected as any served cell's; each phase then adds its collectives, which nothing overlaps (each layer waits
-for its all-reduce). A decode step's carry kilobytes, so their time is NCCL's latency, not the link's
-bandwidth (harness/project/communication.ring_latency_s). Checked against gpt-fast's published tensor-parallel
+for its all-reduce). A decode step's collectives carry kilobytes, so their time is NCCL's latency, not the link's
+bandwidth (harness/project/communication.ring_collective_s). Checked against gpt-fast's published tensor-parallel
 decodes, in gpt-fast's layout, which no constant here was fitted on: benchmarks/tp_decode_validation.py.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from harness.cell import ResolvedCell
-from harness.project.communication import DEFAULT_NODE_GPUS, link_bytes_s, ring_latency_s
+from harness.project.communication import link_bytes_s, node_gpus, ring_collective_s
 from harness.project.layout import base_name
 from harness.project.tensor_parallel import rank_part, sharded_model_figures
 from suites.techniques import Stack, Unsupported
@@ -79,7 +79,7 @@ def tensor_degree(cell: ResolvedCell) -> int:
     if ranks != cell.cell.world_size:
         raise Unsupported(f"tensor-parallel:t={ranks} on {cell.cell.world_size} GPUs: a served model's replica is "
                           "its tensor-parallel group; give --tp N alone (N replicas serve N times the requests)")
-    node = (cell.profile.interconnect or {}).get("node_gpus") or DEFAULT_NODE_GPUS
+    node = node_gpus(cell.profile)
     if ranks > node:
         raise Unsupported(f"{ranks}-way tensor parallelism spans nodes of {node} GPUs: its two all-reduces per "
                           f"layer would cross the network at every token; serve with --tp {node} or fewer")
@@ -134,9 +134,9 @@ def served_collectives(cell: ResolvedCell, ranks: int, precision: str, tokens: i
     if link is None:
         return None
     share = (ranks - 1) / ranks
-    seconds = all_reduces * (ring_latency_s(profile, ranks, "all_reduce") + 2 * share * buffer / link)
+    seconds = all_reduces * ring_collective_s(profile, ranks, "all_reduce", 2 * share * buffer, link)
     if gathered:
-        seconds += ring_latency_s(profile, ranks, "all_gather") + share * gathered * ranks / link
+        seconds += ring_collective_s(profile, ranks, "all_gather", share * gathered * ranks, link)
     return ServedCollectives(ranks, all_reduces, buffer, gathered, seconds, described)
 
 
