@@ -10,6 +10,7 @@ family adds its session.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tomllib
@@ -43,10 +44,24 @@ def _install(session: nox.Session) -> None:
     session.install("-e", ".[test]")
 
 
+def _test_workers() -> int:
+    """The cores this process may run on, at most 8: its CPU affinity and a cgroup's CPU quota, which a container
+    sets and pytest-xdist's `auto` (psutil's count of the host's cores) does not read."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return min(8, cores)
+
+
 # The suite on every core (pytest-xdist), a test file to a worker so a module's fixtures are built once: on CI's
 # two cores it took 21 min instead of 41 (2026-12-07). The tests pin torch to one thread each (conftest), so one
 # process leaves the other core idle. `nox -s tests -- -n 0` runs it in one process.
-PARALLEL = ("--numprocesses=auto", "--maxprocesses=8", "--dist=loadfile")
+WORKERS = _test_workers()
+PARALLEL = (f"--numprocesses={WORKERS if WORKERS > 1 else 0}", "--dist=loadfile")
 
 
 @nox.session(python=PYTHON)
