@@ -18,6 +18,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 import torchvision
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from harness.cell import Cell
@@ -54,6 +55,8 @@ def measured_kernels(model, batch: int, dtype) -> dict[str, float]:
             torch.cuda.synchronize()
     times: dict[str, float] = defaultdict(float)
     for event in trace.key_averages():
+        if event.device_type != DeviceType.CUDA:
+            continue  # an operator on the host: its kernels are counted as themselves
         # torch 2.4 renamed the CUDA columns to device_*; older releases name them cuda_*.
         total_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
         if total_us:
