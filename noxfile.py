@@ -44,17 +44,25 @@ def _install(session: nox.Session) -> None:
     session.install("-e", ".[test]")
 
 
+def _cgroup_cores() -> int | None:
+    """Whole cores a container's CPU quota allows (cgroup v2's cpu.max, else v1's cfs quota), None without one."""
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            text = (Path("/sys/fs/cgroup") / quota_file).read_text().split()
+            quota, period = (text[0], text[1]) if period_file is None else (
+                text[0], (Path("/sys/fs/cgroup") / period_file).read_text().strip())
+            if quota not in ("max", "-1"):
+                return max(1, int(quota) // int(period))
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
 def _test_workers() -> int:
     """The cores this process may run on, at most 8: its CPU affinity and a cgroup's CPU quota, which a container
     sets and pytest-xdist's `auto` (psutil's count of the host's cores) does not read."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if quota != "max":
-            cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return min(8, cores)
+    return min(8, cores, _cgroup_cores() or cores)
 
 
 # The suite on every core (pytest-xdist), a test file to a worker so a module's fixtures are built once: on CI's

@@ -37,7 +37,9 @@ def kernel_kind(name: str) -> str:
     lowered = name.lower()
     if "nchwtonhwc" in lowered or "nhwctonchw" in lowered:
         return "transpose"
-    if any(mark in lowered for mark in ("fprop", "implicit_gemm", "implicit_convolve", "winograd", "conv2d", "dgrad")):
+    marks = ("fprop", "implicit_gemm", "implicit_convolve", "winograd", "conv2d", "dgrad", "scudnn", "16816cudnn",
+             "1688cudnn", "cudnn_infer")
+    if any(mark in lowered for mark in marks):
         return "conv"
     return "other"
 
@@ -88,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(cudnn.allow_tf32={torch.backends.cudnn.allow_tf32})")
     for precision, (technique, dtype) in PRECISIONS.items():
         times = measured_kernels(model, args.batch, dtype)
+        if not times:
+            print(f"{precision}: the profiler recorded no CUDA kernel (CUPTI unavailable?): nothing measured")
+            return 1
         by_kind: dict[str, float] = defaultdict(float)
         for name, ms in times.items():
             by_kind[kernel_kind(name)] += ms

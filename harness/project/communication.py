@@ -27,7 +27,8 @@ def node_gpus(profile) -> int:
 def intra_node_link(profile, ranks: int) -> str:
     """The link a group of `ranks` consecutive GPUs uses inside a node, as NCCL classes it: `nvlink` where
     every member reaches the next over NVLink (an NVSwitch joins a node's GPUs, a bridge joins a pair), else
-    `pci` (through the host: PCIe cards, and AMD's Infinity Fabric, whose ring bandwidth no profile gives)."""
+    `pci` (through the host). AMD's Infinity Fabric is classed `pci` too, a pessimistic choice: RCCL runs it as
+    NVLink is run, but how much of an MI300X's 896 GB/s (seven links together) one ring reaches is not known here."""
     links = profile.interconnect or {}
     gpu_link = links.get("gpu_link", "")
     if not links.get("gpu_link_gb_s") or not gpu_link.startswith("NVLink"):
@@ -83,18 +84,19 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
     return None, f"no GPU or host link bandwidth known for {profile.id}"
 
 
-# NCCL's own cost model of a ring collective (NVIDIA/nccl src/graph/tuning.cc, v2.19-2.23), per protocol: a base
-# latency, a latency per ring step over NVLink, PCIe or the network, and the share of the link's bandwidth the
-# protocol's data gets (LL sends 4 bytes of data in each 8-byte flag word, and tuning.cc takes a quarter of the
-# bus bandwidth for an all-reduce or a ring across nodes, a third otherwise; LL128 0.92, 0.7 with one GPU per
-# node; Simple all of it). NCCL runs each collective in the protocol its model finds fastest (LL128 only over
-# NVLink, where it is enabled by default):
+# NCCL's own cost model of a ring collective, as NVIDIA/nccl v2.23 has it (src/graph/tuning.cc), per protocol: a
+# base latency, a latency per ring step over NVLink, PCIe or the network, and the share of the link's bandwidth the
+# protocol's data gets (LL sends 4 bytes of data in each 8-byte flag word: half; LL128 120 of 128 bytes: 0.92;
+# Simple all of it). NCCL runs each collective in the protocol its model finds fastest (LL128 only over NVLink,
+# where it is enabled by default; on Blackwell from v2.26):
 # - LL for the kilobytes of a decode step: 7.8 / 10.2 / 15.0 us per all-reduce on 2 / 4 / 8 NVLink GPUs. sglang's
 #   CUDA-graph captured 8-GPU H100 all-reduces measure 16.8-17.8 us (sgl-project/sglang#22734), within 20% of 15.
 # - LL128 or Simple for a training step's megabytes.
+# A ring across nodes pays the network's latency on the steps that leave a node, and on the others at least the
+# network's per-step overhead (1 us, tripled for Simple; NCCL's figure for Intel hosts, 2 us on AMD hosts).
 # AMD's RCCL keeps the model with its own latencies (ROCm/rccl src/graph/tuning.cc: base Ring LL 12.0 / Simple
-# 17.0 us; per step LL 0.8 / Simple 3.6 us over xGMI, 2.2 / 5.7 over PCIe) and no LL128; its network hops and
-# bandwidth shares are not in the figures we have, so NCCL's stand in.
+# 17.0 us; per step LL 0.8 / Simple 3.6 us over xGMI, 2.2 / 5.7 over PCIe) and no LL128 here; its network
+# latencies and bandwidth shares vary by platform in its tables, so NCCL's stand in.
 RING_PROTOCOLS = {
     "nccl": {"LL": {"base": 6.6, "nvlink": 0.6, "pci": 1.0, "network": 2.7},
              "LL128": {"base": 14.0, "nvlink": 1.9, "pci": 2.5, "network": 4.0},
@@ -102,18 +104,12 @@ RING_PROTOCOLS = {
     "rccl": {"LL": {"base": 12.0, "nvlink": 0.8, "pci": 2.2, "network": 2.7},
              "Simple": {"base": 17.0, "nvlink": 3.6, "pci": 5.7, "network": 14.0}},
 }
+BANDWIDTH_SHARE = {"LL": 0.5, "LL128": 0.92, "Simple": 1.0}
+NETWORK_OVERHEAD_US = {"LL": 1.0, "LL128": 1.0, "Simple": 3.0}
 # Ring steps of a collective over n ranks, and those that cross the network on k nodes (tuning.cc's nsteps and
 # nInterSteps). A reduce-scatter runs as an all-gather does.
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1}
 NETWORK_STEPS = {"all_reduce": lambda k: 2 * (k - 1), "all_gather": lambda k: k - 1}
-
-
-def _bandwidth_share(protocol: str, collective: str, nodes: int, ranks: int) -> float:
-    if protocol == "LL":
-        return 1 / 4 if nodes > 1 or collective == "all_reduce" else 1 / 3
-    if protocol == "LL128":
-        return 0.7 if ranks / nodes < 2 else 0.92
-    return 1.0
 
 
 def _protocols(profile, ranks: int) -> dict[str, dict[str, float]]:
@@ -127,13 +123,15 @@ def _protocols(profile, ranks: int) -> dict[str, dict[str, float]]:
 def ring_latency_s(profile, ranks: int, collective: str, protocol: str = "LL") -> float:
     """Seconds a ring `collective` over `ranks` consecutive GPUs takes in `protocol` before its bytes count:
     the base latency plus one per ring step, each over the group's link inside a node (`intra_node_link`)
-    or, for the steps that leave a node, the network (where NCCL also slows LL's steps inside a node 1.8x)."""
+    or, for the steps that leave a node, the network."""
     if ranks <= 1:
         return 0.0
     figures = RING_PROTOCOLS["rccl" if profile.vendor == "amd" else "nccl"][protocol]
     nodes = -(-ranks // node_gpus(profile))
     steps, network = RING_STEPS[collective](ranks), NETWORK_STEPS[collective](nodes)
-    intra = figures[intra_node_link(profile, ranks)] * (1.8 if nodes > 1 and protocol == "LL" else 1.0)
+    intra = figures[intra_node_link(profile, ranks)]
+    if nodes > 1:
+        intra = max(intra, NETWORK_OVERHEAD_US[protocol])
     return (figures["base"] + (steps - network) * intra + network * figures["network"]) * 1e-6
 
 
@@ -143,10 +141,8 @@ def ring_collective_s(profile, ranks: int, collective: str, sent_bytes: float, l
     the protocol that model finds fastest, as NCCL chooses."""
     if ranks <= 1:
         return 0.0
-    nodes = -(-ranks // node_gpus(profile))
     return min(ring_latency_s(profile, ranks, collective, protocol)
-               + sent_bytes / (link_bytes_s * _bandwidth_share(protocol, collective, nodes, ranks))
-               for protocol in _protocols(profile, ranks))
+               + sent_bytes / (link_bytes_s * BANDWIDTH_SHARE[protocol]) for protocol in _protocols(profile, ranks))
 
 
 def collective_bytes(technique: str | None, dp: int, params: int, grads: int, micro_batches: int = 1,
@@ -205,7 +201,8 @@ def data_parallel_windows(technique: str | None, forward_s: float, backward_s: f
 
 
 def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: int, stream_bytes: int,
-                          recomputed: bool = False, skipped_outputs: int = 0, sequence_ends: int = 0) -> float:
+                          recomputed: bool = False, skipped_outputs: int = 0, sequence_ends: int = 0,
+                          sequence_parallel: bool = False) -> float:
     """Bytes each tensor-parallel rank sends per micro-batch: every row-parallel output (`elements` of
     `output_bytes`) is all-reduced in the forward and the gradient of every column-parallel input (the
     norm's output, `stream_bytes`) in the backward, with no compute to hide under (Megatron's f and g
@@ -214,17 +211,17 @@ def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: in
     backward needs are back, so a block's last output, which only feeds the residual add, is not (counted
     on gloo).
 
-    Sequence parallelism (`sequence_ends`: the ends of the cut sequence this rank holds, 2 for the whole
-    model, 1 for a pipeline's end stage) all-gathers each norm's output and reduce-scatters each row-parallel
-    output forward, their transposes backward: per module (t - 1) / t of one activation each, the same bytes
-    as the all-reduces; a recomputed block gathers every norm's output again and scatters its outputs but the
-    skipped; each end of the cut gathers the stream once more (the final norm's output forward, the entry's
-    gradient backward)."""
+    Sequence parallelism (`sequence_parallel`; `sequence_ends`: the ends of the cut sequence this rank holds, 2 for
+    the whole model, 1 for a pipeline's end stage, 0 for a middle one) all-gathers each norm's output and
+    reduce-scatters each row-parallel output forward, their transposes backward: per module (t - 1) / t of one
+    activation each, the same bytes as the all-reduces; a recomputed block gathers every norm's output again and
+    scatters its outputs but the skipped; each end of the cut gathers the stream once more (the final norm's output
+    forward, the entry's gradient backward)."""
     if tp == 1:
         return 0.0
     share = (tp - 1) / tp * elements
     outputs_again = sharded - skipped_outputs if recomputed else 0  # row-parallel outputs recomputed
-    if sequence_ends:
+    if sequence_parallel or sequence_ends:
         gathers = 2 * sharded + (sharded if recomputed else 0)  # stream: norms' outputs, their gradients
         return share * (gathers * stream_bytes + (2 * sharded + outputs_again) * output_bytes
                         + sequence_ends * stream_bytes)
@@ -233,19 +230,21 @@ def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: in
 
 def tensor_parallel_collectives(tp: int, sharded: int, recomputed: bool = False, skipped_outputs: int = 0,
                                 sequence_ends: int = 0, embedding: bool = False, head: bool = False,
-                                gathered_logits: bool = False, norms: bool = False) -> tuple[int, str]:
+                                gathered_logits: bool = False, sequence_parallel: bool = False) -> tuple[int, str]:
     """How many collectives a tensor-parallel rank runs per micro-batch, and which ring they run as: the
     transfers `tensor_parallel_bytes`, `vocabulary_parallel_bytes` and `norm_gradient_bytes_sent` count, one
     collective each. All-reduces without sequence parallelism (each sharded module's forward and backward, the
     recomputed ones, the embedding's, the head's input gradient and its logits' gather, or without the gather
     the parallel cross-entropy's three all-reduces); with it all-gathers and
     reduce-scatters, which take a ring's n - 1 steps (the vocabulary's and the norms' all-reduces counted among
-    them, a small overcount of their latency's steps)."""
+    them: an undercount of their steps). The caller splits the bytes evenly over them, which charges the parallel
+    cross-entropy's three tiny all-reduces the average message's protocol (tens of us a micro-batch)."""
     if tp == 1:
         return 0, "all_reduce"
     outputs_again = sharded - skipped_outputs if recomputed else 0
-    vocabulary = (1 if embedding else 0) + ((2 if gathered_logits else 4) if head else 0) + (1 if norms else 0)
-    if sequence_ends:
+    norms = 1 if sequence_parallel else 0
+    vocabulary = (1 if embedding else 0) + ((2 if gathered_logits else 4) if head else 0) + norms
+    if sequence_parallel or sequence_ends:
         gathers = 2 * sharded + (sharded if recomputed else 0)
         return gathers + 2 * sharded + outputs_again + sequence_ends + vocabulary, "all_gather"
     return 2 * sharded + outputs_again + vocabulary, "all_reduce"

@@ -369,11 +369,12 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     # The stage's norms (its blocks', and the final one's, traced with the end stages) reduce their gradients.
     norms = norm_gradient_bytes_sent(layout.tp, norm_gradient_bytes(model)) if layout.sequence_parallel else 0.0
     per_micro = {"tensor": tensor_parallel_bytes(layout.tp, sharded, elements, element, stream, recomputed,
-                                                 skipped, ends) + vocabulary + norms,
+                                                 skipped, ends, layout.sequence_parallel) + vocabulary + norms,
                  "pipeline": pipeline, "expert": 0.0}
     tensor_collectives = tensor_parallel_collectives(
         layout.tp, sharded, recomputed, skipped, ends, embedding=part.embedding and layout.pp == 1,
-        head=part.logits_rows > 0 and not middle, gathered_logits=gathered_logits > 0, norms=layout.sequence_parallel)
+        head=part.logits_rows > 0 and not middle, gathered_logits=gathered_logits > 0,
+        sequence_parallel=layout.sequence_parallel)
     if layout.ep > 1:
         per_micro["expert"] = all_to_all_bytes(layout.ep, moe, buffer, element) * (1 + 0.5 * recomputed)
         # What is not an expert trains data-parallel (all-reduced as DDP would) or sharded over the same ranks.
