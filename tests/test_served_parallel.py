@@ -10,7 +10,7 @@ import pytest
 from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.project import project, project_outcome
-from harness.project.communication import ring_latency_s
+from harness.project.collective_cost import ring_latency_s
 from harness.project.query import with_degrees
 from harness.project.served_parallel import local_served_cell, search_cell, served_collectives
 from harness.serve_matrix import MatrixRequest, serve_matrix

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from harness.cell import ResolvedCell
 from harness.ledger import unfitted_interval
 from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
+from harness.project.collective_cost import ring_collective_s
 from harness.project.communication import (
     SHARDED,
     collective_bytes,
@@ -40,7 +41,6 @@ from harness.project.communication import (
     node_gpus,
     norm_gradient_bytes_sent,
     pipeline_bytes,
-    ring_collective_s,
     tensor_parallel_bytes,
     tensor_parallel_collectives,
     vocabulary_parallel_bytes,
@@ -414,7 +414,7 @@ def _tensor_across_nodes(layout: Layout, profile) -> list[str]:
 
 def _tensor_collectives_s(profile, tp: int, sent: float, collectives: tuple[int, str], link: float | None) -> float:
     """Seconds of a micro-batch's tensor-parallel collectives: `sent` bytes in `collectives` (a count and the ring
-    they run as), taken as equal parts, each at NCCL's ring model (communication.ring_collective_s)."""
+    they run as), taken as equal parts, each at NCCL's ring model (collective_cost.ring_collective_s)."""
     count, ring = collectives
     if not sent or not link:
         return 0.0

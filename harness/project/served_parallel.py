@@ -9,7 +9,7 @@ all-reduce and no gather, but every rank reads the whole vocabulary's weights.
 One rank's part is traced (harness/project/tensor_parallel.rank_part, as for training) and its generation
 projected as any served cell's; each phase then adds its collectives, which nothing overlaps (each layer waits
 for its all-reduce). A decode step's collectives carry kilobytes, so their time is NCCL's latency, not the link's
-bandwidth (harness/project/communication.ring_collective_s). Checked against gpt-fast's published tensor-parallel
+bandwidth (harness/project/collective_cost.ring_collective_s). Checked against gpt-fast's published tensor-parallel
 decodes, in gpt-fast's layout, which no constant here was fitted on: benchmarks/tp_decode_validation.py.
 """
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from harness.cell import ResolvedCell
-from harness.project.communication import link_bytes_s, node_gpus, ring_collective_s
+from harness.project.collective_cost import ring_collective_s
+from harness.project.communication import link_bytes_s, node_gpus
 from harness.project.layout import base_name
 from harness.project.tensor_parallel import rank_part, sharded_model_figures
 from suites.techniques import Stack, Unsupported

@@ -1,16 +1,16 @@
-"""Ring collectives at NCCL's cost model (harness/project/communication.py): the protocol NCCL would pick for a
-message's size, the steps that leave a node, and how many collectives a tensor-parallel micro-batch runs."""
+"""Ring collectives at NCCL's cost model (harness/project/collective_cost.py): the protocol NCCL would pick for a
+message's size, the steps that leave a node; and, from communication.py, the link a group uses and how many
+collectives a tensor-parallel micro-batch runs."""
 
 from __future__ import annotations
 
 import pytest
 
 from harness.profiles import load_profiles
+from harness.project.collective_cost import ring_collective_s, ring_latency_s
 from harness.project.communication import (
     intra_node_link,
     link_bytes_s,
-    ring_collective_s,
-    ring_latency_s,
     tensor_parallel_collectives,
 )
 from tests.test_parallel_projection import _projected
