@@ -37,9 +37,14 @@ RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1
 NETWORK_STEPS = {"all_reduce": lambda k: 2 * (k - 1), "all_gather": lambda k: k - 1}
 
 
+def _figures(profile) -> dict[str, dict[str, float]]:
+    """The protocols' figures of the collective library a profile's GPUs run: RCCL on AMD's, NCCL on the rest."""
+    return RING_PROTOCOLS["rccl" if profile.vendor == "amd" else "nccl"]
+
+
 def _protocols(profile, ranks: int) -> dict[str, dict[str, float]]:
     """The protocols NCCL (or RCCL) may run a ring in: LL128 only over NVLink, where NCCL enables it by default."""
-    protocols = RING_PROTOCOLS["rccl" if profile.vendor == "amd" else "nccl"]
+    protocols = _figures(profile)
     if intra_node_link(profile, ranks) != "nvlink":
         protocols = {name: figures for name, figures in protocols.items() if name != "LL128"}
     return protocols
@@ -51,7 +56,7 @@ def ring_latency_s(profile, ranks: int, collective: str, protocol: str = "LL") -
     or, for the steps that leave a node, the network."""
     if ranks <= 1:
         return 0.0
-    figures = RING_PROTOCOLS["rccl" if profile.vendor == "amd" else "nccl"][protocol]
+    figures = _figures(profile)[protocol]
     nodes = -(-ranks // node_gpus(profile))
     steps, network = RING_STEPS[collective](ranks), NETWORK_STEPS[collective](nodes)
     intra = figures[intra_node_link(profile, ranks)]

@@ -170,14 +170,14 @@ def tensor_parallel_bytes(tp: int, sharded: int, elements: int, output_bytes: in
 def tensor_parallel_collectives(tp: int, sharded: int, recomputed: bool = False, skipped_outputs: int = 0,
                                 sequence_ends: int = 0, embedding: bool = False, head: bool = False,
                                 gathered_logits: bool = False, sequence_parallel: bool = False) -> tuple[int, str]:
-    """How many collectives a tensor-parallel rank runs per micro-batch, and which ring they run as: the
-    transfers `tensor_parallel_bytes`, `vocabulary_parallel_bytes` and `norm_gradient_bytes_sent` count, one
-    collective each. All-reduces without sequence parallelism (each sharded module's forward and backward, the
-    recomputed ones, the embedding's, the head's input gradient and its logits' gather, or without the gather
-    the parallel cross-entropy's three all-reduces); with it all-gathers and
-    reduce-scatters, which take a ring's n - 1 steps (the vocabulary's and the norms' all-reduces counted among
-    them: an undercount of their steps). The caller splits the bytes evenly over them, which charges the parallel
-    cross-entropy's three tiny all-reduces the average message's protocol (tens of us a micro-batch)."""
+    """How many collectives a tensor-parallel rank runs per micro-batch, and which ring they run as: the transfers
+    `tensor_parallel_bytes`, `vocabulary_parallel_bytes` and `norm_gradient_bytes_sent` count, one collective
+    each. All-reduces without sequence parallelism (each sharded module's forward and backward, the recomputed
+    ones, the embedding's, the head's input gradient and its logits' gather, or without the gather the parallel
+    cross-entropy's three all-reduces); with it all-gathers and reduce-scatters, which take a ring's n - 1 steps
+    (the vocabulary's and the norms' all-reduces counted among them: an undercount of their steps). The caller
+    splits the bytes evenly over them, which charges the parallel cross-entropy's three tiny all-reduces the
+    average message's protocol (tens of us a micro-batch)."""
     if tp == 1:
         return 0, "all_reduce"
     outputs_again = sharded - skipped_outputs if recomputed else 0

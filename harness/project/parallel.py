@@ -418,8 +418,6 @@ def _tensor_collectives_s(profile, tp: int, sent: float, collectives: tuple[int,
     count, ring = collectives
     if not sent or not link:
         return 0.0
-    if not count:
-        return sent / link
     return count * ring_collective_s(profile, tp, ring, sent / count, link)
 
 
