@@ -1,14 +1,16 @@
-"""Ring collectives at NCCL's cost model (harness/project/collective_cost.py): the protocol NCCL would pick for a
-message's size, the steps that leave a node; and, from communication.py, the link a group uses and how many
-collectives a tensor-parallel micro-batch runs."""
+"""Collectives at NCCL's cost model (harness/project/collective_cost.py): the protocol NCCL would pick for a
+message's size, the steps that leave a node, its tree for all-reduces across many nodes; and, from communication.py,
+the link a group uses and how many collectives a tensor-parallel micro-batch or a data-parallel step runs."""
 
 from __future__ import annotations
 
 import pytest
 
 from harness.profiles import load_profiles
-from harness.project.collective_cost import ring_collective_s, ring_latency_s
+from harness.project.collective_cost import collective_s, ring_collective_s, ring_latency_s, tree_latency_s
 from harness.project.communication import (
+    data_parallel_collectives,
+    ddp_buckets,
     intra_node_link,
     link_bytes_s,
     tensor_parallel_collectives,
@@ -87,3 +89,64 @@ def test_a_tensor_parallel_training_step_waits_on_each_collectives_latency_not_o
     # Each of the 53 at NCCL's model, the bytes split evenly: above the bytes alone by 53 latencies.
     assert on_path_ms == pytest.approx(53 * ring_collective_s(H100, 4, "all_reduce", sent_mib * 2**20 / 53, link) * 1e3,
                                        rel=0.01)
+
+
+def test_a_tree_all_reduce_climbs_log2_of_the_nodes_where_a_ring_walks_every_rank():
+    # 64 GPUs on 8 nodes, LL: up and down a chain of 7 NVLink hops and a tree 3 deep, against the ring's 126 steps
+    # (14 of them over the network, the rest at least the network's 1 us overhead).
+    assert tree_latency_s(H100, 64) * 1e6 == pytest.approx(6.8 + 2 * (7 * 0.6 + 3 * 5.0))
+    assert ring_latency_s(H100, 64, "all_reduce") * 1e6 == pytest.approx(6.6 + 112 * 1.0 + 14 * 2.7)
+    # A simple ring all-reduce across nodes pays NCCL's "plateau" factor: 1.4 from Ampere on, 1.9 before.
+    assert ring_latency_s(H100, 16, "all_reduce", "Simple") * 1e6 == pytest.approx(1.4 * (8.4 + 28 * 3.4 + 2 * 14.0))
+    v100 = PROFILES["v100-sxm2-32gb"].per_device()
+    assert ring_latency_s(v100, 16, "all_reduce", "Simple") == pytest.approx(
+        1.9 / 1.4 * ring_latency_s(H100, 16, "all_reduce", "Simple"))
+
+
+def test_nccl_runs_a_small_all_reduce_over_many_nodes_as_a_tree_and_a_large_one_in_a_node_as_a_ring():
+    link = link_bytes_s(H100, 1024)[0]
+    sent = 2 * 1023 / 1024 * 1e6  # a 1 MB buffer over 1,024 GPUs on 128 nodes
+    assert collective_s(H100, 1024, "all_reduce", sent, link) < 0.1 * ring_collective_s(
+        H100, 1024, "all_reduce", sent, link)
+    assert collective_s(H100, 1024, "all_reduce", sent, link) > tree_latency_s(H100, 1024)
+    # Inside a node a tree is a chain that sends twice the buffer at 0.92 of the link: the ring wins a gigabyte.
+    nvlink = link_bytes_s(H100, 8)[0]
+    assert collective_s(H100, 8, "all_reduce", 1e9, nvlink) == ring_collective_s(H100, 8, "all_reduce", 1e9, nvlink)
+    # All-gathers and reduce-scatters have no tree.
+    assert collective_s(H100, 1024, "all_gather", 1e6, link) == ring_collective_s(H100, 1024, "all_gather", 1e6, link)
+
+
+def test_a_data_parallel_group_under_node_wide_tensor_parallelism_has_one_member_per_node():
+    # d = 4 ranks 8 GPUs apart (t = 8): every ring step leaves a node, at the tree's network latency (NCCL: "with
+    # ppn=1 latencies are fully exposed"), and a tree has no chain inside a node.
+    assert ring_latency_s(H100, 4, "all_reduce", stride=8) * 1e6 == pytest.approx(6.6 + 6 * 5.0)
+    assert tree_latency_s(H100, 4, stride=8) * 1e6 == pytest.approx(6.8 + 2 * 2 * 5.0)
+    # 2-way tensor parallelism leaves 4 members in a node of 8.
+    assert ring_latency_s(H100, 8, "all_gather", stride=2) * 1e6 == pytest.approx(6.6 + 6 * 1.0 + 1 * 2.7)
+
+
+def test_a_data_parallel_step_counts_ddps_buckets_and_fsdps_gathers_and_scatters():
+    # DDP: a first bucket of 1 MiB, then 25 MiB ones; ZeRO-1 broadcasts each trained tensor too.
+    assert ddp_buckets(2**20) == 1
+    assert ddp_buckets(500 * 2**20) == 1 + 20
+    assert data_parallel_collectives("zero1", 500 * 2**20, 0, 148) == {"backward": (21, "all_reduce"),
+                                                                       "optimizer": (148, "all_gather")}
+    # FSDP2 over 12 blocks and the root, 2 accumulated passes: each pass gathers the 13 units forward, the 12 blocks
+    # again backward, and scatters the 13 gradients; ZeRO-2 keeps the blocks gathered for the backward.
+    assert data_parallel_collectives("fsdp", 1.0, 12, 148, micro_batches=2) == {
+        "forward": (26, "all_gather"), "backward": (50, "all_gather")}
+    assert data_parallel_collectives("fsdp-zero2", 1.0, 12, 148) == {"forward": (13, "all_gather"),
+                                                                      "backward": (13, "all_gather")}
+    # In a pipeline stage of 4 micro-batches: the root once, the blocks m + 1 times, the gradients scattered once.
+    assert data_parallel_collectives("fsdp", 1.0, 12, 148, micro_batches=4, pipelined=True) == {
+        "forward": (1 + 48, "all_gather"), "backward": (12 + 13, "all_gather")}
+
+
+def test_a_small_model_sharded_over_a_thousand_gpus_waits_on_its_collectives_latency():
+    # gpt2-124m under FSDP, 4 samples per GPU: 8 GPUs hide their gathers under compute; on 1,024 each of the 38
+    # gathers and scatters per step walks a ring of 1,023 steps, milliseconds of latency the step cannot hide.
+    small, large = (_projected("fsdp+amp-bf16", world, size="gpt2-124m", batch=4 * world) for world in (8, 1024))
+    assert small.status == large.status == "ok", (small.reason, large.reason)
+    assert large.speed.step_time_ms_p50 > 1.5 * small.speed.step_time_ms_p50
+    note = next(note for note in large.notes if note.startswith("data-parallel communication"))
+    assert "in 38 collectives" in note

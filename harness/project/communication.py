@@ -10,8 +10,10 @@ that many consecutive GPUs. Not yet checked against a measured multi-GPU step.
 
 from __future__ import annotations
 
-# DDP's gradient buckets (25 MiB by default): the last one's all-reduce cannot hide under the backward.
+# DDP's gradient buckets (25 MiB by default, the first 1 MiB): the last one's all-reduce cannot hide under the
+# backward.
 DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
 SHARDED = ("fsdp", "fsdp-zero2", "cpu-offload")
 
 
@@ -114,20 +116,47 @@ def collective_bytes(technique: str | None, dp: int, params: int, grads: int, mi
     return {"forward": micro_batches * share * params, "backward": micro_batches * share * (params - root + grads)}
 
 
-def exposed_s(sent: dict[str, float], windows: dict[str, float], link: float, technique: str | None) -> float:
-    """Communication seconds the step cannot hide: collectives overlap the compute window of the phase they
-    run under (FSDP prefetches the next block's gather, DDP all-reduces buckets as gradients are ready);
-    whatever outlasts the window shows, and DDP's last bucket always does. ZeRO-1's broadcast follows the
-    step."""
-    total = 0.0
-    for phase, size in sent.items():
-        seconds = size / link
-        if phase == "optimizer":
-            total += seconds
-        else:
-            total += max(0.0, seconds - windows.get(phase, 0.0))
-    if technique in ("data-parallel", "zero1") and sent.get("backward"):
-        total += min(DDP_BUCKET_BYTES, sent["backward"]) / link
+def ddp_buckets(grads: float) -> int:
+    """How many buckets DDP all-reduces `grads` bytes of gradients in: a first bucket of 1 MiB (DDP's
+    `_DEFAULT_FIRST_BUCKET_BYTES`, so the first all-reduce starts early), then buckets of `bucket_cap_mb` (25 MiB)."""
+    if grads <= DDP_FIRST_BUCKET_BYTES:
+        return 1
+    return 1 + -(-round(grads - DDP_FIRST_BUCKET_BYTES) // DDP_BUCKET_BYTES)
+
+
+def data_parallel_collectives(technique: str | None, grads: float, blocks: int, tensors: int, micro_batches: int = 1,
+                              pipelined: bool = False) -> dict[str, tuple[int, str]]:
+    """How many collectives carry each phase's data-parallel bytes (`collective_bytes`), and the ring they run as
+    (a reduce-scatter's is an all-gather's). DDP all-reduces its gradient buckets; ZeRO-1 also broadcasts each of
+    its `tensors` trained parameters from the rank that stepped it (ZeroRedundancyOptimizer without a bucket view).
+    FSDP2 runs one all-gather and one reduce-scatter per sharded unit (the `blocks`, and the root around them) and
+    pass: the root's gather once per pass (it stays gathered to the backward), each block's again for the backward
+    unless kept (ZeRO-2); in a pipeline stage the counts `collective_bytes` gives its bytes."""
+    if technique is None:
+        return {}
+    if technique in ("data-parallel", "zero1"):
+        counts = {"backward": (ddp_buckets(grads), "all_reduce")}
+        if technique == "zero1":
+            counts["optimizer"] = (tensors, "all_gather")
+        return counts
+    units = blocks + 1
+    if pipelined:
+        gathers = 1 if technique == "fsdp-zero2" else micro_batches + 1
+        return {"forward": (1 + min(gathers, micro_batches) * blocks, "all_gather"),
+                "backward": ((gathers - min(gathers, micro_batches)) * blocks + units, "all_gather")}
+    regathered = 0 if technique == "fsdp-zero2" else blocks
+    return {"forward": (micro_batches * units, "all_gather"),
+            "backward": (micro_batches * (regathered + units), "all_gather")}
+
+
+def exposed_s(seconds: dict[str, float], windows: dict[str, float], last_bucket_s: float = 0.0) -> float:
+    """Communication seconds the step cannot hide, from each phase's collectives' `seconds`: collectives overlap
+    the compute window of the phase they run under (FSDP prefetches the next block's gather, DDP all-reduces
+    buckets as gradients are ready); whatever outlasts the window shows, and so does DDP's last bucket
+    (`last_bucket_s`: its all-reduce starts when the backward ends). ZeRO-1's broadcasts follow the step."""
+    total = last_bucket_s
+    for phase, phase_s in seconds.items():
+        total += phase_s if phase == "optimizer" else max(0.0, phase_s - windows.get(phase, 0.0))
     return total
 
 

@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from harness.cell import ResolvedCell
 from harness.ledger import unfitted_interval
 from harness.outcome import MemoryFigures, Outcome, SpeedFigures, failure
-from harness.project.collective_cost import ring_collective_s
+from harness.project.collective_cost import collective_s, ring_collective_s
 from harness.project.communication import (
+    DDP_BUCKET_BYTES,
     SHARDED,
     collective_bytes,
+    data_parallel_collectives,
     data_parallel_windows,
     exposed_s,
     link_bytes_s,
@@ -347,6 +349,9 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     passes = layout.micro_batches * trace.micro_batches
     sent = collective_bytes(technique, layout.dp, memory.params, reduced_grads, passes, root,
                             pipelined=layout.pp > 1)
+    units = len(local.workload.blocks(model)) if gathers else 0
+    collectives = data_parallel_collectives(technique, reduced_grads, units, _trained_tensors(model, False), passes,
+                                            pipelined=layout.pp > 1)
     tied = _tied_bytes(model, local.workload, layout, reduced_grads / max(1, trace.param_count))
     sent_stream = stage_elements * stream
     pipeline, tied_sent = pipeline_bytes(layout.pp, sent_stream, layout.micro_batches, tied)
@@ -381,14 +386,19 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
         share = replicated / max(1, trace.param_count)
         sent = collective_bytes(technique or "data-parallel", layout.ep, round(memory.params * share),
                                 round(reduced_grads * share), passes, root, pipelined=layout.pp > 1)
+        tensors = _trained_tensors(model, True)
+        collectives = data_parallel_collectives(technique or "data-parallel", reduced_grads * share, units, tensors,
+                                                passes, pipelined=layout.pp > 1)
         if technique is None:
             # expert-parallel's own averaging: every backward's gradients all-reduced one parameter at a time,
             # synchronously (suites/techniques/expert.py), after each micro-batch: nothing hides it.
             sent = {"optimizer": passes * sum(sent.values())}
+            collectives = {"optimizer": (passes * tensors, "all_reduce")}
     comm_bytes = sum(sent.values()) + layout.micro_batches * sum(per_micro.values()) + tied_sent
     speed = None
     if fits is not False and projection.time is not None:
-        speed = _step(cell, layout, projection, sent, per_micro, rank, notes, master, tied_sent, tensor_collectives)
+        speed = _step(cell, layout, projection, sent, per_micro, rank, notes, master, tied_sent, tensor_collectives,
+                      collectives)
     status, reason = "ok", ""
     if fits is False:
         status = "oom"
@@ -399,6 +409,31 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     return Outcome(status=status, reason=reason, precision=trace.precision, memory=figures, speed=speed, fits=fits,
                    device_name=cell.profile.name, notes=notes, comm_bytes_per_step=round(comm_bytes),
                    interval_basis=basis)
+
+
+def _trained_tensors(model, own_experts: bool) -> int:
+    """The trained parameter tensors a data-parallel technique synchronises (ZeRO-1 broadcasts each; expert
+    parallelism's own averaging all-reduces each): with `own_experts`, those outside the experts."""
+    experts = {id(p) for layer in moe_layers(model) for p in layer.expert_parameters()} if own_experts else set()
+    return sum(1 for p in model.parameters() if p.requires_grad and id(p) not in experts)
+
+
+def _data_parallel_s(profile, layout: Layout, sent: dict[str, float], collectives: dict[str, tuple[int, str]],
+                     link: float) -> tuple[dict[str, float], float, int]:
+    """(seconds of each phase's data-parallel collectives, of DDP's last bucket, how many collectives in all):
+    each phase's bytes taken as equal parts over its collectives (`data_parallel_collectives`), each at NCCL's
+    model (collective_cost.collective_s: a ring, or a tree for an all-reduce where that is faster) over the
+    data-parallel group, `tp` GPUs apart."""
+    seconds, count = {}, 0
+    for phase, size in sent.items():
+        n, ring = collectives.get(phase, (1, "all_reduce"))
+        seconds[phase] = n * collective_s(profile, layout.dp, ring, size / n, link, stride=layout.tp)
+        count += n
+    last = 0.0
+    if layout.data_technique in ("data-parallel", "zero1") and sent.get("backward"):
+        bucket = min(sent["backward"], 2 * (layout.dp - 1) / layout.dp * DDP_BUCKET_BYTES)
+        last = collective_s(profile, layout.dp, "all_reduce", bucket, link, stride=layout.tp)
+    return seconds, last, count
 
 
 def _tensor_across_nodes(layout: Layout, profile) -> list[str]:
@@ -423,7 +458,8 @@ def _tensor_collectives_s(profile, tp: int, sent: float, collectives: tuple[int,
 
 def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float], per_micro: dict[str, float],
           rank: RankMemory, notes: list[str], master: float = 1.0, tied_sent: float = 0.0,
-          tensor_collectives: tuple[int, str] = (0, "all_reduce")) -> SpeedFigures | None:
+          tensor_collectives: tuple[int, str] = (0, "all_reduce"),
+          data_collectives: dict[str, tuple[int, str]] | None = None) -> SpeedFigures | None:
     """The parallel step: (m + p - 1) pipeline slots of one micro-batch's compute and its tensor-, pipeline-
     and expert-parallel sends, then the end stages' all-reduce of a tied weight's gradient (after the last
     backward: nothing hides it), the optimizer step, the data-parallel communication not hidden, and an
@@ -453,7 +489,11 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
     # Expert parallelism's replicated rest is all-reduced as DDP would (hooks as gradients are ready).
     collective = layout.data_technique or ("data-parallel" if layout.ep > 1 else None)
     windows = data_parallel_windows(collective, phases["forward"], phases["backward"], layout.micro_batches)
-    exposed = exposed_s(sent, windows, links["data"][0], collective) if sent else 0.0
+    exposed, dp_count = 0.0, 0
+    if sent:
+        dp_seconds, last_bucket, dp_count = _data_parallel_s(profile, layout, sent, data_collectives or {},
+                                                             links["data"][0])
+        exposed = exposed_s(dp_seconds, windows, last_bucket)
     tied_s = tied_sent / links["pipeline"][0] if tied_sent else 0.0
     step = slots * (micro_s + sends_s) + tied_s + phases["optimizer"] + exposed
     if layout.data_technique == "cpu-offload":
@@ -480,8 +520,9 @@ def _step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str, float]
         notes.append(f"the first and last stages all-reduce the tied weight's gradient, {tied_sent / 2**20:,.0f} MiB "
                      f"over {links['pipeline'][1]} after the last backward: {tied_s * 1e3:.2f} ms")
     if sent:
-        notes.append(f"data-parallel communication {sum(sent.values()) / 2**20:,.0f} MiB sent per rank per step over "
-                     f"{links['data'][1]}: {exposed * 1e3:.1f} ms not hidden under compute")
+        notes.append(f"data-parallel communication {sum(sent.values()) / 2**20:,.0f} MiB sent per rank per step in "
+                     f"{dp_count:,} collectives over {links['data'][1]} (NCCL's model: a latency per collective and "
+                     f"step, a ring or for all-reduces a tree): {exposed * 1e3:.1f} ms not hidden under compute")
         if layout.data_technique == "fsdp" and layout.pp > 1 and layout.micro_batches > 1:
             notes.append(regathered_note(layout.micro_batches))
     # The bytes are checked (counted on gloo ranks, tests/test_parallel.py); their time over NVLink and the
