@@ -123,6 +123,8 @@ def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: s
             row[f"ttft_ms_{name}"] = record.ttft_ms
             row[f"decode_bandwidth_util_{name}"] = record.decode_bandwidth_util
             row[f"usd_per_million_tokens_{name}"] = record.usd_per_million_tokens
+            # What a price given later (report --prices) costs: the replica's generated tokens a second.
+            row[f"generated_tokens_s_{name}"] = record.tokens_per_s
             if name == "b1":
                 row["peak_reserved_b1_bytes"] = record.peak_reserved_bytes
                 row["params_bytes"] = record.params_bytes

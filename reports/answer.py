@@ -52,16 +52,40 @@ def throughput_bounds(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
             (throughput * p50 / low).where(~measured_rows, throughput * (1 + cv)))
 
 
+def _ranked(rows: pd.DataFrame, by: str, ascending: bool) -> pd.DataFrame:
+    """`rows` best first by `by` (faster first among equals)."""
+    return rows.dropna(subset=[by]).sort_values([by, "throughput_samples_s"], ascending=[ascending, False],
+                                                kind="stable")
+
+
 def _pick(rows: pd.DataFrame, by: str, ascending: bool):
     """The best row by `by`, among those that fit at the high end of their memory interval where any does
     (a pick the report must flag "may not fit" is offered only where no sure one exists)."""
-    ranked = rows.dropna(subset=[by]).sort_values([by, "throughput_samples_s"], ascending=[ascending, False],
-                                                 kind="stable")
+    ranked = _ranked(rows, by, ascending)
     if "memory_left_worst_bytes" in ranked:
         worst = pd.to_numeric(ranked["memory_left_worst_bytes"], errors="coerce")
         sure = ranked[worst.isna() | (worst >= 0)]
         ranked = sure if len(sure) else ranked
     return None if ranked.empty else ranked.iloc[0]
+
+
+# How a passed-over row beats the pick, per pick.
+BETTER = {"cheapest": "cheaper", "fastest": "faster", "value": "better value"}
+
+
+def _passed_over(rows: pd.DataFrame, by: str, ascending: bool, pick, name: str, language: bool) -> str:
+    """Where a better row was passed over because it may not fit (`_pick`), what it offers and why it is not the
+    pick, so a pick slower or dearer than another pick in its row is explained; empty otherwise."""
+    ranked = _ranked(rows, by, ascending)
+    if pick is None or ranked.empty or ranked.iloc[0].name == pick.name:
+        return ""
+    better = ranked.iloc[0]
+    shown = describe(better, language)
+    offer = {"cheapest": f"${float(better['usd_per_hour']) * float(better['devices']):,.2f} an hour",
+             "fastest": shown["speed"].split(" (")[0], "value": shown["cost"].split(" (")[0]}[name]
+    worst = -float(better["memory_left_worst_bytes"])
+    return (f"{BETTER[name]}: {shown['gpu']} with {better['technique']} ({offer}), but it may not fit: its interval "
+            f"reaches {fmt.bytes_(worst)} past the memory")
 
 
 def _bounds(row) -> tuple[float, float] | None:
@@ -192,10 +216,14 @@ def answers(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
         # GPUs it fits on that no pick can weigh (no price): named, so their absence is not read as a verdict.
         unpriced = sorted(set(fitting["gpu"][pd.to_numeric(fitting["usd_per_hour"], errors="coerce").isna()])) \
             if len(fitting) and "usd_per_hour" in fitting else []
+        by = {"cheapest": (priced, "hourly", True), "fastest": (fitting, "throughput_samples_s", False),
+              "value": (fitting, "usd_per_million_samples", True)}
+        described = {name: describe(row, language, _ties(fitting, row, per[name]) if per[name] else 0)
+                     | {"passed": _passed_over(*by[name], row, name, language)}
+                     if row is not None else None for name, row in picks.items()}
         result.append({
             "workload": str(workload), "size": str(size), "mode": str(mode),
-            "picks": {name: describe(row, language, _ties(fitting, row, per[name]) if per[name] else 0)
-                      if row is not None else None for name, row in picks.items()},
+            "picks": described,
             "why": why, "fitting": len(fitting), "tried": len(tried), "unpriced": unpriced,
             "params": pd.to_numeric(group["param_count"], errors="coerce").max() if "param_count" in group else None,
         })

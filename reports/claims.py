@@ -288,21 +288,30 @@ def judge_c15(rows: pd.DataFrame) -> dict:
 
 def judge_c16(rows: pd.DataFrame) -> dict:
     """Of the baseline training cells that do not fit but that some tried stack makes fit (a memory
-    problem these rows solve), the share mixed precision or sharing alone solves (same batch, same source)."""
+    problem these rows solve) and on which mixed precision or sharing was tried alone, the share that alone
+    solves (same batch, same source). A cell where neither was tried alone is no evidence either way."""
     train = rows[rows["mode"] == "train"]
     short = train[(train["technique"] == "baseline") & (train["status"] == "oom")]
     simple = {"amp-bf16", "amp-fp16", "param-sharing"}
-    solvable, solved = 0, 0
+    solvable, solved, untried = 0, 0, 0
     for _, row in short.iterrows():
         same = train[(train["workload"] == row["workload"]) & (train["size"] == row["size"])
-                     & (train["gpu"] == row["gpu"]) & (train["status"] == "ok")
-                     & (train["source"] == row["source"]) & (train["batch_size"] == row["batch_size"])]
-        if len(same):
-            solvable += 1
-            solved += any(set(str(t).split("+")) <= simple for t in same["technique"])
+                     & (train["gpu"] == row["gpu"]) & (train["source"] == row["source"])
+                     & (train["batch_size"] == row["batch_size"])]
+        alone = same[[set(str(t).split("+")) <= simple for t in same["technique"]]]
+        if not (same["status"] == "ok").any():
+            continue
+        if alone.empty:
+            untried += 1
+            continue
+        solvable += 1
+        solved += bool((alone["status"] == "ok").any())
     if not solvable:
-        return _judged("C16", f"{len(short)} baseline training cells run out of memory and no stack in these rows "
-                              "makes one fit", f"{len(short)} OOM baseline cells", "not measurable here")
+        found = f"{len(short)} baseline training cells run out of memory and " + (
+            f"{untried} of them fit under a tried stack, but mixed precision (amp-bf16 or amp-fp16) or param-sharing "
+            "was not tried alone on any: add one of them to --technique" if untried else
+            "no stack in these rows makes one fit")
+        return _judged("C16", found, f"{len(short)} OOM baseline cells", "not measurable here")
     share = solved / solvable
     sharing = "param-sharing" in set(train["technique"])
     # A share of a handful of cells is uncertain: its 95% interval (Clopper-Pearson, which errs wide) says
@@ -315,9 +324,10 @@ def judge_c16(rows: pd.DataFrame) -> dict:
     else:
         verdict = f"contradicted: {share:.0%} of {solvable} cells (95% interval {low:.0%}-{high:.0%}), not 80%"
     verdict += "" if sharing else " (without param-sharing rows: mixed precision alone)"
-    return _judged("C16", f"of {solvable} out-of-memory baseline training cells that some tried stack makes fit, "
-                          f"mixed precision or sharing alone makes {solved} fit ({share:.0%}); "
-                          f"{len(short) - solvable} more do not fit under any stack tried",
+    return _judged("C16", f"of {solvable} out-of-memory baseline training cells that some tried stack makes fit and "
+                          f"on which mixed precision or sharing was tried alone, that alone makes {solved} fit "
+                          f"({share:.0%}); {len(short) - solvable - untried} more do not fit under any stack tried"
+                          + (f", {untried} had neither tried alone" if untried else ""),
                    f"{len(short)} OOM baseline cells", verdict)
 
 

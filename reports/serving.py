@@ -49,13 +49,20 @@ def generation_rows(frame: pd.DataFrame) -> dict | None:
 
 def reprice_matrix(matrix: pd.DataFrame, prices: dict) -> pd.DataFrame:
     """The serving matrix costed at `prices` (harness/prices.py), as every other cost in the report is: each
-    row's USD-per-million-tokens figures scale by the new hourly price over the one it was costed at, and a
-    GPU without a price has none."""
+    row's USD per million tokens from its replica's generated tokens a second (every GPU of it rented), or, in a
+    matrix written before those were kept, its cost scaled by the new hourly price over the one it was costed at
+    (none where it had no price); a GPU without a price has none."""
     matrix = matrix.copy()
     old = pd.to_numeric(matrix["usd_per_hour"], errors="coerce") if "usd_per_hour" in matrix else float("nan")
     new = matrix["gpu"].map(lambda g: prices[g].per_device if g in prices else float("nan")).astype(float)
+    gpus = pd.to_numeric(matrix["gpus"], errors="coerce").fillna(1) if "gpus" in matrix else 1
     for column in [c for c in matrix.columns if c.startswith("usd_per_million_tokens")]:
-        matrix[column] = pd.to_numeric(matrix[column], errors="coerce") * new / old
+        scaled = pd.to_numeric(matrix[column], errors="coerce") * new / old
+        tokens = column.replace("usd_per_million_tokens", "generated_tokens_s")
+        if tokens in matrix:
+            rate = pd.to_numeric(matrix[tokens], errors="coerce")
+            scaled = scaled.where(rate.isna(), new * gpus / 3600 / rate * 1e6)
+        matrix[column] = scaled
     matrix["usd_per_hour"] = new
     matrix["price_date"] = matrix["gpu"].map(lambda g: prices[g].date if g in prices else None)
     return matrix

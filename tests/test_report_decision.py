@@ -79,6 +79,10 @@ def test_a_sure_fit_is_picked_before_one_that_may_not_fit_and_unpriced_gpus_are_
             _row(gpu="h200", throughput_samples_s=90.0)]
     [answer] = answers(cost_rows(records_frame(rows), PRICES), CAPACITIES)
     assert answer["picks"]["cheapest"]["gpu"] == "b200" and answer["unpriced"] == ["h200"]
+    # The a10 passed over is named beside the pick, with why, so the pick is not read as the cheapest there is.
+    assert answer["picks"]["cheapest"]["passed"] == ("cheaper: a10 with amp-bf16 ($0.90 an hour), but it may not "
+                                                     "fit: its interval reaches 512.0 MiB past the memory")
+    assert answer["picks"]["fastest"]["gpu"] == "b200" and answer["picks"]["fastest"]["passed"] == ""
     # Where only an uncertain fit exists, it is still the answer, flagged.
     [alone] = answers(cost_rows(records_frame(rows[:1]), PRICES), CAPACITIES)
     assert alone["picks"]["cheapest"]["gpu"] == "a10" and "may not fit" in alone["picks"]["cheapest"]["left"]
@@ -261,6 +265,22 @@ def test_the_serving_table_is_costed_at_the_reports_prices():
     assert unpriced["usd_per_million_tokens_max"].isna().all() and unpriced["usd_per_hour"].isna().all()
 
 
+def test_a_gpu_the_matrix_had_no_price_for_is_costed_at_the_reports_price_from_its_tokens_a_second():
+    from reports.serving import reprice_matrix
+
+    # serve-matrix ran without a price for the h100 (no cost), but kept its replica's generated tokens a second.
+    matrix = _matrix().assign(generated_tokens_s_max=[300.0, 2700.0, None])
+    matrix.loc[matrix["gpu"] == "h100-sxm", ["usd_per_hour", "usd_per_million_tokens_max"]] = None
+    prices = {**PRICES, "h100-sxm": Price("h100-sxm", 8.0, "2026-02", "mine")}
+    repriced = reprice_matrix(matrix, prices).set_index("gpu")
+    assert repriced.loc["h100-sxm", "usd_per_million_tokens_max"] == pytest.approx(8.0 / 3600 / 2700 * 1e6)
+    # A two-GPU replica rents both GPUs' hours.
+    pair = reprice_matrix(matrix.assign(gpus=2), prices).set_index("gpu")
+    assert pair.loc["h100-sxm", "usd_per_million_tokens_max"] == pytest.approx(2 * 8.0 / 3600 / 2700 * 1e6)
+    [answer] = serving_answers(matrix, prices)
+    assert answer["picks"]["value"]["cost"] == f"${8.0 / 3600 / 2700 * 1e6:.2f} / M tokens"
+
+
 class _Answers(HTMLParser):
     """The answer tables of a rendered report: rows of cell texts."""
 
@@ -437,10 +457,15 @@ def test_c14_counts_a_bucket_that_agrees_on_part_of_the_guides_stack_as_partial(
 def test_c16_rules_out_80_percent_only_where_enough_cells_do():
     gpus = ["t4", "a10", "l4", "a100-pcie-40gb", "a100-sxm4-80gb", "h100-sxm", "h200", "l40s", "b200", "mi300x"]
     rows = [row for gpu in gpus for row in (_row(gpu=gpu, technique="baseline", status="oom", fits=False),
+                                            _row(gpu=gpu, technique="amp-bf16", status="oom", fits=False),
                                             _row(gpu=gpu, technique="checkpointing"))]
     # 0 of 10 cells made to fit by mixed precision or sharing alone: 80% lies outside the interval.
     assert _claims(*rows)["C16"]["verdict"].startswith("contradicted: 0% of 10 cells (95% interval 0%-31%), not 80%")
-    assert _claims(*rows[:2])["C16"]["verdict"].startswith("inconclusive: 0% of 1 cells")
+    assert _claims(*rows[:3])["C16"]["verdict"].startswith("inconclusive: 0% of 1 cells")
+    # Where mixed precision was never tried alone, the cells say nothing about it, and what to add is named.
+    untried = [row for row in rows if row["technique"] != "amp-bf16"]
+    c16 = _claims(*untried)["C16"]
+    assert c16["verdict"] == "not measurable here" and "add one of them to --technique" in c16["found"]
 
 
 def test_the_pareto_chart_draws_each_stacks_range(monkeypatch):
