@@ -73,11 +73,12 @@ def gib(value: float, signed: bool = False) -> str:
 
 
 def fix_line(stack: str, target: dict, fix: dict, reference: float | None = None) -> str:
-    """`amp-bf16+checkpointing (projected): -41.0 GiB, +28% step time, fits with 6.0 GiB left`; the fix's
+    """`amp-bf16+checkpointing (projected): reserves 41.0 GiB less, +28% step time, fits with 6.0 GiB left`; the fix's
     `source` (measured or projected) is named wherever the fix carries one."""
     parts = [stack + (f" ({fix['source']})" if fix.get("source") else "") + ":"]
     if target.get("reserved") is not None and fix.get("reserved") is not None:
-        parts.append(gib(fix["reserved"] - target["reserved"], signed=True) + " reserved,")
+        change = fix["reserved"] - target["reserved"]
+        parts.append(f"reserves {gib(abs(change))} {'less' if change < 0 else 'more'},")
     if target.get("step_ms") and fix.get("step_ms"):
         parts.append(f"{fix['step_ms'] / target['step_ms'] - 1:+.0%} step time,")
     elif fix.get("step_ms") and reference:

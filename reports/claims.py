@@ -173,8 +173,11 @@ def judge_c3(rows: pd.DataFrame) -> dict:
         (f"; {', '.join(unknown)} not measurable (not in the row)" if unknown else "")
     total = params + optimizer + number("grads_bytes") + at_1024
     if total == total:
-        verdict += (f"; the total, {total / 1e12:,.0f} TB, is above 3 TB as stated" if total > 3e12 else
-                    f"; the total, {total / 1e12:,.1f} TB, is not above 3 TB")
+        # The guide's "more than 3 TB in total" holds for any total above it; how far above says whether its
+        # activation figure assumed checkpointing.
+        verdict += (f"; the guide's 'more than 3 TB in total' holds: {total / 1e12:,.0f} TB here, "
+                    f"{at_1024 / total:.0%} of it activations" if total > 3e12 else
+                    f"; the guide's 'more than 3 TB in total' does not hold: {total / 1e12:,.1f} TB here")
     return _judged("C3", found, f"1 {row['source']} row ({row['technique']} on {row['gpu']})", verdict)
 
 
@@ -235,14 +238,16 @@ def judge_c10(rows: pd.DataFrame) -> dict:
     pairs = _pairs(rows[rows["status"] == "ok"], "sparsity-2to4")
     on_mi250x = pairs[pairs["gpu"] == "mi250x"]
     if not len(on_mi250x):
-        found = "no MI250X rows: its 2:4 sparse throughput is unverified (gpu_profiles/mi250x.toml has none)"
+        # Projected MI250X rows may be in the report (fit matrices), but none pairs sparsity-2to4 with a baseline.
+        found = ("no sparsity-2to4 row beside a baseline on the MI250X: its 2:4 sparse throughput is unverified "
+                 "(gpu_profiles/mi250x.toml has none)")
         if len(pairs):
             pairs = _prefer(pairs)
             speed = (_numbers(pairs, "step_time_ms_p50_ref") / _numbers(pairs, "step_time_ms_p50")).median()
             memory = (_numbers(pairs, "peak_reserved_bytes") / _numbers(pairs, "peak_reserved_bytes_ref")).median()
             found += f"; elsewhere sparsity-2to4 runs x{speed:.2f} as fast in x{memory:.2f} the memory"
-            return _judged("C10", found, _where(pairs), "not measurable here: no MI250X")
-        return _judged("C10", found, "none", "not measurable here: no MI250X and no sparsity-2to4 rows")
+            return _judged("C10", found, _where(pairs), "not measurable here: no MI250X pair")
+        return _judged("C10", found, "none", "not measurable here: no sparsity-2to4 rows")
     return judge_ratio("C10", rows[rows["gpu"] == "mi250x"], tuple(set(on_mi250x["workload"])), "sparsity-2to4",
                        0.5, 1 / 1.6, 0.1)
 

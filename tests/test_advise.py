@@ -22,7 +22,7 @@ def test_fixes_that_fit_are_ranked_by_step_time_and_worded():
              {"stack": "checkpointing", "reserved": 20 * GIB, "step_ms": 120.0, "left": 1 * GIB}]
     lines = advise.rank_fixes(target, fixes)
     assert [line.split(":")[0] for line in lines] == ["checkpointing", "amp-bf16+checkpointing", "qlora+checkpointing"]
-    assert lines[1] == "amp-bf16+checkpointing: -41.0 GiB reserved, +28% step time, fits with 6.0 GiB left"
+    assert lines[1] == "amp-bf16+checkpointing: reserves 41.0 GiB less, +28% step time, fits with 6.0 GiB left"
     assert lines[2].endswith("(trains adapters on 4-bit frozen weights)")
 
 
@@ -75,7 +75,7 @@ def test_advise_names_the_stacks_that_make_a_cell_fit(small_l4, monkeypatch, cap
     lines = out.splitlines()
     assert lines[0].startswith("projected: baseline does not fit on small-l4: short by ")
     assert "1 of 2 stacks" in lines[0]
-    assert re.fullmatch(r"  checkpointing\+amp-bf16: -\d+\.\d GiB reserved, [\d,]+ ms per step \(the fastest\), "
+    assert re.fullmatch(r"  checkpointing\+amp-bf16: reserves \d+\.\d GiB less, [\d,]+ ms per step \(the fastest\), "
                         r"fits with \d+\.\d GiB left", lines[1]), lines[1]
     assert len(lines) == 2  # tf32 keeps fp32 activations: still short, not advised
     # Progress goes to stderr: each stack as it is projected (in parallel processes where there are cores).

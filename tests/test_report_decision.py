@@ -184,7 +184,7 @@ def test_the_pareto_front_holds_the_stacks_no_other_beats_on_both():
 def test_oom_cells_get_the_stacks_that_fit_them():
     [entry] = oom_advice(_frame(), CAPACITIES)
     assert entry["cell"] == "gpt gpt2-1.3b train h100-sxm / baseline"
-    assert entry["fixes"][0].startswith("amp-bf16 (projected): -87.0 GiB reserved, 80 ms per step (the fastest), "
+    assert entry["fixes"][0].startswith("amp-bf16 (projected): reserves 87.0 GiB less, 80 ms per step (the fastest), "
                                         "fits with")
 
 
@@ -396,6 +396,9 @@ def test_c3_scales_only_the_activations_that_grow_with_the_batch():
     at_1024 = 350e9 + 1024 * 80e9
     assert f"{at_1024 / 1e12:,.0f} TB scaled linearly" in c3["found"] and "350 GB of them autocast's" in c3["found"]
     assert f"activations at batch 1024 {at_1024 / 500e9:,.0f}x the stated" in c3["verdict"]
+    total = 700e9 + 1400e9 + 4_000_000 + at_1024  # the row's gradients: _row's 4 MB
+    assert c3["verdict"].endswith(f"the guide's 'more than 3 TB in total' holds: {total / 1e12:,.0f} TB here, "
+                                  f"{at_1024 / total:.0%} of it activations")
     fp32 = _claims(_row(**big, technique="baseline", precision="fp32"))["C3"]  # fp32 weights are not copied
     assert f"{1024 * 430e9 / 1e12:,.0f} TB scaled linearly" in fp32["found"] and "copies" not in fp32["found"]
 
