@@ -15,7 +15,9 @@ right: how the GPUs differ.
 These rows are held out: `projection_calibration.py` never reads this file, so nothing here is fitted and
 the error printed is an honest out-of-sample error. Do not tune constants against it; add rows instead.
 
-Usage: python benchmarks/cross_gpu_ratios.py [--reference a100-sxm4-80gb]
+Usage: python benchmarks/cross_gpu_ratios.py [--reference a100-sxm4-80gb] [--write]
+  --write: store the held-out ratio error in harness/project/ratio_check.toml (with the training fit it checked),
+  where the report reads how far apart two projected GPUs must be to rank them (reports/answer.py).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import warnings
 from pathlib import Path
 
 import pandas as pd
+import tomli_w
 
 from harness.cell import Cell
 from harness.profiles import load_profiles
 from harness.project import project
+from harness.project.speed_constants import RATIO_CHECK_FILE, training_fit_digest
 from suites.workloads import spec_as_run
 
 HELD_OUT = Path(__file__).with_name("data") / "heldout_gpu_ratios.csv"
@@ -76,6 +80,8 @@ def ranking_agreement(frame: pd.DataFrame) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reference", default="a100-sxm4-80gb", help="the GPU every ratio is taken against")
+    parser.add_argument("--write", action="store_true",
+                        help=f"store the held-out ratio error in {RATIO_CHECK_FILE.name}")
     args = parser.parse_args(argv)
     profiles = load_profiles()
     frame = pd.read_csv(HELD_OUT)
@@ -106,7 +112,26 @@ def main(argv: list[str] | None = None) -> int:
     caveats = sorted({c for c in frame["caveat"] if isinstance(c, str)})
     if caveats:
         print("caveats:", *caveats, sep="\n  ")
+    if args.write:
+        write_check(table, args.reference)
+        print(f"held-out ratio error -> {RATIO_CHECK_FILE}")
     return 0
+
+
+def write_check(table: pd.DataFrame, reference: str) -> None:
+    """The held-out ratio error, with what it was measured on and the training fit it checked."""
+    from datetime import UTC, datetime
+
+    errors = [abs(e) for e in table["error"]]
+    check = {"ratios": {
+        "date": datetime.now(UTC).date().isoformat(), "reference": reference, "n": len(errors),
+        "median_abs_error": round(statistics.median(errors), 4), "worst_abs_error": round(max(errors), 4),
+        "training_fit_digest": training_fit_digest(), "gpus": sorted(set(table["gpu"]) | {reference}),
+        "source": "Lambda deeplearning-benchmark single-GPU training throughputs (benchmarks/data/"
+                  "heldout_gpu_ratios.csv), never fitted: benchmarks/cross_gpu_ratios.py"}}
+    header = ("# Written by benchmarks/cross_gpu_ratios.py --write: how far off the projection is on how\n"
+              "# much faster one GPU is than another, on data it never saw.\n")
+    RATIO_CHECK_FILE.write_text(header + tomli_w.dumps(check))
 
 
 if __name__ == "__main__":

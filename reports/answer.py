@@ -96,20 +96,30 @@ def _bounds(row) -> tuple[float, float] | None:
     return float(low), float(high)
 
 
-def _ties(rows: pd.DataFrame, pick, per: str) -> int:
-    """Other cells whose range overlaps the pick's: `per` is `speed` (throughput) or `cost` (USD per
-    sample, the inverse of throughput at each one's price), so an overlap is no verdict between them."""
+def _ties(rows: pd.DataFrame, pick, per: str, comparable: dict[str, str] | None = None,
+          ratio_error: float | None = None) -> int:
+    """Other cells within reach of the pick: `per` is `speed` (throughput) or `cost` (USD per sample, the inverse
+    of throughput at each one's price), so no verdict between them. Two projections on GPUs whose speed constants
+    one fit shares (`comparable`: the fit's key per GPU) err together, so their intervals overlap far more than
+    their ratio is in doubt: they tie where they differ by less than the projection's held-out error on such
+    ratios (`ratio_error`, benchmarks/cross_gpu_ratios.py). Other pairs tie where their ranges overlap."""
     mine = _bounds(pick)
-    if mine is None:
-        return 0
     count = 0
     for index, row in rows.iterrows():
+        if index == pick.name:
+            continue
+        if per == "cost" and (fmt.missing(row["usd_per_million_samples"]) or
+                              fmt.missing(pick["usd_per_million_samples"])):
+            continue
+        if ratio_error is not None and _shared_fit(pick, row, comparable or {}):
+            column = "usd_per_million_samples" if per == "cost" else "throughput_samples_s"
+            ours, theirs = float(pick[column]), float(row[column])
+            count += max(ours, theirs) <= (1 + ratio_error) * min(ours, theirs)
+            continue
         theirs = _bounds(row)
-        if index == pick.name or theirs is None:
+        if mine is None or theirs is None:
             continue
         if per == "cost":
-            if fmt.missing(row["usd_per_million_samples"]) or fmt.missing(pick["usd_per_million_samples"]):
-                continue
             scale = lambda r: float(r["usd_per_million_samples"]) * float(r["throughput_samples_s"])  # noqa: E731
             mine_cost = (scale(pick) / mine[1], scale(pick) / mine[0])
             theirs_cost = (scale(row) / theirs[1], scale(row) / theirs[0])
@@ -117,6 +127,12 @@ def _ties(rows: pd.DataFrame, pick, per: str) -> int:
         else:
             count += theirs[0] <= mine[1] and mine[0] <= theirs[1]
     return count
+
+
+def _shared_fit(first, second, comparable: dict[str, str]) -> bool:
+    """Whether two rows are projections on GPUs costed by one fitted set of speed constants."""
+    keys = {comparable.get(str(first["gpu"])), comparable.get(str(second["gpu"]))}
+    return first["source"] == second["source"] == "projected" and len(keys) == 1 and None not in keys
 
 
 def describe(row, language: bool, ties: int = 0) -> dict:
@@ -190,8 +206,10 @@ def _left(row) -> str:
     return f"{fmt.bytes_(left)} left, but may not fit: its interval reaches {fmt.bytes_(-float(worst))} past the memory"
 
 
-def answers(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
-    """Per workload, size and mode: the cheapest, fastest and best-value picks; where there is none, why."""
+def answers(frame: pd.DataFrame, capacities: dict[str, int], comparable: dict[str, str] | None = None,
+            ratio_error: float | None = None) -> list[dict]:
+    """Per workload, size and mode: the cheapest, fastest and best-value picks; where there is none, why.
+    `comparable` and `ratio_error`: which projections err together and by how much their ratios do (`_ties`)."""
     rows = candidates(frame, capacities)
     result = []
     if not len(frame):
@@ -218,7 +236,8 @@ def answers(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
             if len(fitting) and "usd_per_hour" in fitting else []
         by = {"cheapest": (priced, "hourly", True), "fastest": (fitting, "throughput_samples_s", False),
               "value": (fitting, "usd_per_million_samples", True)}
-        described = {name: describe(row, language, _ties(fitting, row, per[name]) if per[name] else 0)
+        described = {name: describe(row, language, _ties(fitting, row, per[name], comparable, ratio_error)
+                                    if per[name] else 0)
                      | {"passed": _passed_over(*by[name], row, name, language)}
                      if row is not None else None for name, row in picks.items()}
         result.append({

@@ -98,6 +98,19 @@ def capacities_of(profiles: dict) -> dict[str, int]:
             if profile.vendor != "cpu" and profile.per_device().capacity_bytes}
 
 
+def fitted_keys(profiles: dict) -> dict[str, str]:
+    """GPU profile id -> the key of the fitted speed constants its projections are costed with (those of one key
+    err together); GPUs costed with priors alone are left out."""
+    from harness.project.speed_constants import constants_for
+
+    keys = {}
+    for pid in capacities_of(profiles):
+        constants = constants_for(profiles[pid].per_device())
+        if constants.gpu.fitted:
+            keys[pid] = constants.key
+    return keys
+
+
 def price_rows(prices: dict, profiles: dict, frame: pd.DataFrame, today: date | None = None) -> list[dict]:
     """Every GPU in the rows with the price costs are computed at (and its age on `today`, default the
     report's date), or why there is none."""
@@ -127,6 +140,7 @@ def _with_serving(sections: dict, served: list[dict]) -> dict:
 def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_from: dict) -> dict:
     """The sections that decide a purchase: the answer, fit matrices, memory and speed trade-offs, OOM
     advice, prices and the guide's claims judged (reports/answer.py, tradeoffs.py, advice.py, claims.py)."""
+    from harness.project.speed_constants import ratio_check
     from reports.advice import oom_advice
     from reports.answer import answers, cost_charts
     from reports.claims import judge_claims, single_gpu_cells
@@ -134,8 +148,10 @@ def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_
     from reports.tradeoffs import fit_matrices, memory_sections
 
     capacities = capacities_of(profiles)
+    ratio_error = ratio_check().get("worst_abs_error")
     return {
-        "answers": answers(frame, capacities), "cost_charts": cost_charts(frame, capacities),
+        "answers": answers(frame, capacities, fitted_keys(profiles), ratio_error),
+        "ratio_check": ratio_check(), "cost_charts": cost_charts(frame, capacities),
         "fit_matrices": fit_matrices(frame, capacities), "memory": memory_sections(frame, capacities),
         "advice": oom_advice(frame, capacities), "prices": price_rows(prices, profiles, frame),
         "claims": judge_claims(frame, capacities, **claims_from),

@@ -437,3 +437,15 @@ def test_the_projection_section_says_what_the_ledger_and_the_speed_fit_rest_on(m
     assert "fitted on 9 rows" in text and "held-out median |error| 4.9%, worst 77.5%" in text
     monkeypatch.setattr(ledger, "shipped_ledger", lambda: pairs.iloc[0:0])
     assert ledger_basis().startswith("The ledger holds no measured pair yet")
+
+
+def test_the_answer_says_how_far_apart_two_projected_gpus_must_be_to_rank_them():
+    from harness.project.speed_constants import ratio_check, training_fit_digest
+
+    check = ratio_check()  # benchmarks/cross_gpu_ratios.py --write: shipped with the package
+    assert check["n"] >= 10 and 0 < check["median_abs_error"] <= check["worst_abs_error"] < 1
+    assert check["training_fit_digest"] == training_fit_digest(), (
+        "the speed fit changed since the ratio check: run benchmarks/cross_gpu_ratios.py --write")
+    html = render([_frame([_record(cell_id="a", source="projected", gpu="h100-sxm")])])
+    assert (f"tie only where they differ by less than the projection's worst error on how much faster one GPU is "
+            f"than another, {check['worst_abs_error'] * 100:.0f}% on {check['n']} held-out ratios") in html

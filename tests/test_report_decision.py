@@ -103,6 +103,22 @@ def test_a_pick_among_many_within_its_range_says_there_is_no_clear_winner_and_wh
     assert noisy["ties"].endswith("(more repeats narrow it)")
 
 
+def test_projections_sharing_one_fit_tie_only_within_its_held_out_ratio_error():
+    # Wide intervals (x2 either way) overlap, but a projection's error moves both GPUs together: what is in doubt is
+    # their ratio, off by at most 25% on held-out GPU pairs here. 1.2x apart is a tie; 2x apart is a verdict.
+    wide = dict(step_time_ms_p50=100.0, step_time_ms_low=50.0, step_time_ms_high=200.0)
+    rows = [_row(gpu="h100-sxm", throughput_samples_s=200.0, **wide),
+            _row(gpu="a10", throughput_samples_s=100.0, **wide), _row(gpu="b200", throughput_samples_s=240.0, **wide)]
+    frame = cost_rows(records_frame(rows), PRICES)
+    shared = {"h100-sxm": "nvidia", "a10": "nvidia", "b200": "nvidia"}
+    fastest = answers(frame, CAPACITIES, shared, 0.25)[0]["picks"]["fastest"]
+    assert fastest["gpu"] == "b200" and fastest["ties"] == "1 other within its range"  # the h100, not the a10
+    assert answers(frame, CAPACITIES)[0]["picks"]["fastest"]["ties"] == "2 others within its range"  # overlap alone
+    # A GPU costed by other constants (another vendor's, or priors) is judged by its range, as before.
+    apart = answers(frame, CAPACITIES, {"h100-sxm": "nvidia", "b200": "nvidia"}, 0.25)[0]["picks"]["fastest"]
+    assert apart["ties"] == "2 others within its range"
+
+
 def test_a_price_over_a_year_old_is_flagged_in_its_pick():
     stale = {"a10": Price("a10", 0.9, "2020-01", "test")}
     [answer] = answers(cost_rows(records_frame([_row(gpu="a10", throughput_samples_s=10.0)]), stale), CAPACITIES)

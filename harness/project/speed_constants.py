@@ -20,6 +20,7 @@ from pathlib import Path
 CONSTANTS_FILE = Path(__file__).with_name("speed_constants.toml")
 FIT_FILE = Path(__file__).with_name("speed_fit.toml")
 DECODE_FIT_FILE = Path(__file__).with_name("decode_fit.toml")
+RATIO_CHECK_FILE = Path(__file__).with_name("ratio_check.toml")
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,15 @@ def constants_for(profile, path: Path = CONSTANTS_FILE, fitted: Path | None = FI
         host = replace(host, issue_python_s=profile.issue_s, issue_engine_s=host.issue_engine_s * scale,
                        issue_inference_s=host.issue_inference_s * scale)
     return SpeedConstants(gpu=gpu, host=host, key=key)
+
+
+def ratio_check(path: Path | None = None) -> dict:
+    """The held-out error of projected GPU-to-GPU throughput ratios (benchmarks/cross_gpu_ratios.py --write):
+    n, median_abs_error, worst_abs_error, the GPUs and the training fit it checked; empty where never written."""
+    path = path or RATIO_CHECK_FILE
+    if not path.exists():
+        return {}
+    return dict(tomllib.loads(path.read_text()).get("ratios", {}))
 
 
 def fit_provenance() -> dict:
