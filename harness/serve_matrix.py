@@ -125,6 +125,11 @@ def _row(workload, request: MatrixRequest, profiles: dict, size: str, weights: s
             row[f"usd_per_million_tokens_{name}"] = record.usd_per_million_tokens
             # What a price given later (report --prices) costs: the replica's generated tokens a second.
             row[f"generated_tokens_s_{name}"] = record.tokens_per_s
+            # The speed's range, from the step time's (the decode fit's held-out error, or wider: ledger.py),
+            # as a factor on every rate and cost of the row: slowest, fastest.
+            low, high, p50 = record.step_time_ms_low, record.step_time_ms_high, record.step_time_ms_p50
+            if low and high and p50:
+                row[f"speed_factor_low_{name}"], row[f"speed_factor_high_{name}"] = p50 / high, p50 / low
             if name == "b1":
                 row["peak_reserved_b1_bytes"] = record.peak_reserved_bytes
                 row["params_bytes"] = record.params_bytes

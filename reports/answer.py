@@ -14,7 +14,7 @@ from harness.advise import row_memory_left, row_memory_left_worst
 from harness.prices import tokens_per_sample
 from reports import format as fmt
 from reports.cells import gpu_cells
-from reports.serving import reprice_matrix
+from reports.serving import ranged, reprice_matrix
 
 IDENTITY = ["workload", "size", "mode"]
 
@@ -317,9 +317,14 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
         def entry(row, what: str) -> dict | None:
             if row is None:
                 return None
-            return {"gpu": str(row["replica"]), "weights": str(row["weights"]), "what": what,
-                    "cost": f"{fmt.usd(row['usd'])} / M tokens" if not fmt.missing(row["usd"]) else "no price known",
+            cost = "no price known"
+            if not fmt.missing(row["usd"]):
+                cost = ranged(row, "usd_per_million_tokens_max", fmt.usd) + " / M tokens"
+            return {"gpu": str(row["replica"]), "weights": str(row["weights"]), "what": what, "cost": cost,
                     "price": row["price"]}
+
+        def rate(row, column: str) -> str:
+            return ranged(row, column, lambda v: fmt.number(v, 0))
 
         value = _pick(fitting.assign(throughput_samples_s=fitting["decode_tokens_s_max"]), "usd", True)
         fastest = _pick(fitting.assign(throughput_samples_s=0.0), "decode_tokens_s_b1", False) \
@@ -327,8 +332,8 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
         cheapest = _pick(fitting.assign(throughput_samples_s=fitting["decode_tokens_s_max"]), "hourly", True)
         result.append({"size": str(size), "context": context, "decode": decode, "picks": {
             "cheapest": entry(cheapest, f"largest batch {int(cheapest[batch])}" if cheapest is not None else ""),
-            "fastest": entry(fastest, f"{fmt.number(fastest['decode_tokens_s_b1'], 0)} tokens/s for one stream"
+            "fastest": entry(fastest, f"{rate(fastest, 'decode_tokens_s_b1')} tokens/s for one stream"
                              if fastest is not None else ""),
-            "value": entry(value, f"{fmt.number(value['decode_tokens_s_max'], 0)} tokens/s at batch "
+            "value": entry(value, f"{rate(value, 'decode_tokens_s_max')} tokens/s at batch "
                            f"{int(value[batch])}" if value is not None else "")}})
     return result

@@ -77,7 +77,7 @@ def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
     replicas = [("gpus", "GPUs per replica", fmt.text)] if "gpus" in matrix and (matrix["gpus"] > 1).any() else []
     columns = MATRIX_COLUMNS[:2] + replicas + [MATRIX_COLUMNS[2]] + [
         (c, f"largest batch at {c.removeprefix('max_batch_')}", _batch) for c in batches] + MATRIX_COLUMNS[3:]
-    rows = [{"cells": [f(row[c]) if c in row else fmt.EMPTY for c, _, f in columns], "status": "ok",
+    rows = [{"cells": [ranged(row, c, f) if c in row else fmt.EMPTY for c, _, f in columns], "status": "ok",
              "reason": fmt.text(row["notes"]) if "notes" in row and not fmt.missing(row["notes"]) else ""}
             for _, row in matrix.iterrows()]
     figure = {"name": "serve-matrix", "svg": fit_chart(matrix, batches[0]),
@@ -85,6 +85,29 @@ def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
     return {"headers": [h for _, h, _ in columns], "rows": rows, "figure": figure,
             "c1": c1_verdict, "context": batches[0].removeprefix("max_batch_"),
             "identity": 3 + len(replicas)}  # size, GPU, [GPUs per replica,] weights: left of the reason
+
+
+# The matrix's speed and cost columns, and the batch (b1, max) whose speed range (serve_matrix.py) they take.
+RANGED = {"decode_tokens_s_b1": "b1", "decode_tokens_s_max": "max", "usd_per_million_tokens_max": "max"}
+
+
+def speed_range(row, batch: str) -> tuple[float, float] | None:
+    """(slowest, fastest) factors on the row's speed at `batch` (b1 or max), None where the matrix has none."""
+    low, high = row.get(f"speed_factor_low_{batch}"), row.get(f"speed_factor_high_{batch}")
+    if fmt.missing(low) or fmt.missing(high):
+        return None
+    return float(low), float(high)
+
+
+def ranged(row, column: str, formatter) -> str:
+    """A matrix cell, with its range where it is a speed or cost whose projection carries one: a cost is
+    dearest at the slowest speed."""
+    text = formatter(row[column])
+    factors = speed_range(row, RANGED[column]) if column in RANGED and not fmt.missing(row[column]) else None
+    if not factors:
+        return text
+    low, high = (1 / factors[1], 1 / factors[0]) if column.startswith("usd") else factors
+    return f"{text} ({formatter(float(row[column]) * low)} - {formatter(float(row[column]) * high)})"
 
 
 def _batch(value) -> str:

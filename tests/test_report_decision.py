@@ -259,6 +259,20 @@ def test_serving_picks_come_from_the_matrix_at_the_reports_prices():
     assert serving_answers(eager, prices)[0]["decode"] == "eager"
 
 
+def test_serving_picks_and_table_show_the_projections_range():
+    from reports.serving import matrix_section
+
+    # The decode's interval (serve_matrix.py keeps it as factors on the row's speed): x0.8 to x1.25 here.
+    matrix = _matrix().assign(speed_factor_low_b1=0.8, speed_factor_high_b1=1.25, speed_factor_low_max=0.8,
+                              speed_factor_high_max=1.25)
+    [answer] = serving_answers(matrix, PRICES)
+    assert answer["picks"]["fastest"]["what"] == "150 (120 - 188) tokens/s for one stream"
+    # A cost is dearest at the slowest speed: $0.37 / 0.8 and / 1.25.
+    assert answer["picks"]["value"]["cost"] == "$0.37 ($0.30 - $0.46) / M tokens"
+    table = matrix_section(matrix, None)
+    assert "3,000 (2,400 - 3,750)" in [cell for row in table["rows"] for cell in row["cells"]]
+
+
 def test_a_tensor_parallel_replica_is_named_by_its_gpus_and_costs_all_their_hours():
     matrix = pd.concat([_matrix(), _matrix().iloc[[0]].assign(gpus=2, usd_per_million_tokens_max=0.5)],
                        ignore_index=True).assign(gpus=lambda m: m["gpus"].fillna(1))

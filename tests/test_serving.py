@@ -307,6 +307,8 @@ def test_the_serve_matrix_tabulates_batches_speeds_and_costs():
     a100 = matrix[(matrix["gpu"] == A100) & (matrix["weights"] == "bf16")].iloc[0]
     assert a100["max_batch_1k"] > 1 and a100["decode_tokens_s_max"] > a100["decode_tokens_s_b1"]
     assert a100["usd_per_million_tokens_max"] < a100["usd_per_million_tokens_b1"]
+    # Each speed carries the projection's range, as factors either side of 1.
+    assert a100["speed_factor_low_b1"] < 1 < a100["speed_factor_high_b1"]
     t4 = matrix[(matrix["gpu"] == "t4") & (matrix["weights"] == "bf16")].iloc[0]
     assert t4["technique"].startswith("fp16-weights") and t4["max_batch_1k"] > 1  # no bf16 on Turing: fp16
     int4 = matrix[(matrix["gpu"] == "t4") & (matrix["weights"] == "int4")].iloc[0]
