@@ -106,8 +106,13 @@ def served_spec(workload: Workload, spec: SizeSpec, prompt_len: int | None = Non
     if spec.gen_len is not None and prompt_len is None and gen_len is None:
         return spec  # already served (a depth-extrapolated or searched copy)
     default = workload.served(dataclasses.replace(spec, gen_len=None))
-    prompt = prompt_len if prompt_len is not None else default.seq_len
     generated = gen_len if gen_len is not None else default.gen_len
+    # Without a prompt length, the prompt is what the size's sequence leaves the generated tokens (its default
+    # prompt plus its default generation, less those asked for), so --gen-len alone keeps the sequence whole.
+    prompt = prompt_len if prompt_len is not None else default.seq_len + default.gen_len - generated
+    if prompt_len is None and prompt < 1 <= generated:
+        raise ValueError(f"--gen-len {generated} leaves no prompt in {spec.name}'s {prompt + generated}-token "
+                         "sequence: give a shorter --gen-len, or --prompt-len")
     if prompt < 1 or generated < 2:
         raise ValueError(f"--prompt-len must be >= 1 and --gen-len >= 2 (the first token comes from the prompt, the "
                          f"rest from the cache), got {prompt} and {generated}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness.cli_args import _count, _name, _profiles, printable
+from harness.cli_args import _count, _name, _profiles, _stack, printable
 
 
 def add_parser(sub) -> None:
@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     advise.add_argument("--size", type=_name, default=None, help="size id (default: the workload's canonical size)")
     advise.add_argument("--gpu", type=_name, required=True, help="one GPU profile id")
     advise.add_argument("--mode", default="train", choices=("train", "infer"))
-    advise.add_argument("--technique", type=_name, default="baseline", metavar="STACK", help="the stack you run now")
+    advise.add_argument("--technique", type=_stack, default="baseline", metavar="STACK", help="the stack you run now")
     advise.add_argument("--batch-size", type=_count, default=None, help="samples per step (default: the size's own)")
     advise.add_argument("--prices", type=Path, default=None, metavar="FILE.csv",
                         help="GPU prices to compare at instead of the profiles' (columns gpu, usd_per_hour, date, "

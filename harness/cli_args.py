@@ -41,11 +41,26 @@ MAX_COUNT = 2**31 - 1
 MAX_CELL_TIMEOUT_S = 7 * 24 * 3600.0
 
 
-def _name(text: str) -> str:
-    """One id (a workload, size, GPU or stack); empty is refused rather than taken for the default."""
+def _name(text: str, what: str = "") -> str:
+    """One id (a workload, size, GPU or stack); empty is refused rather than taken for the default, and a
+    comma-separated list (what `headroom run` takes) is refused with how to ask for one."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("expected a name, got nothing (leave the flag out for its default)")
+        raise argparse.ArgumentTypeError("expected a name, got nothing (give one, or leave the flag out where it "
+                                         "has a default)")
+    if "," in text:
+        raise argparse.ArgumentTypeError(f"expected one name, got the list {text.strip()!r}: this command answers for "
+                                         f"one at a time{what}; `headroom run` takes comma-separated lists")
     return text.strip()
+
+
+def _names(text: str) -> str:
+    """One id, or several separated by commas (project's GPUs): only empty is refused."""
+    return _name(text) if "," not in text else _name(text.replace(",", "")) and text.strip()
+
+
+def _stack(text: str) -> str:
+    """One technique stack: `_name`, whose refusal of a list says how a stack joins its techniques."""
+    return _name(text, " (one stack joins its techniques with '+': amp-bf16+checkpointing)")
 
 
 def _bounded(low: int, high: int, what: str):

@@ -6,10 +6,11 @@ solves for the figure asked
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 from harness.cli import EXIT_CELLS_FAILED, _add_generation_flags, _add_user_model_flags, _user_workloads
-from harness.cli_args import UsageError, _count, _name, _profiles
+from harness.cli_args import UsageError, _count, _name, _names, _profiles, _stack
 
 
 def add_parser(sub) -> None:
@@ -17,8 +18,9 @@ def add_parser(sub) -> None:
     project.add_argument("--workload", type=_name, default=None, help="default: gpt, or your own model's")
     _add_user_model_flags(project)
     project.add_argument("--size", type=_name, default=None, help="size id (default: the workload's canonical size)")
-    project.add_argument("--gpu", type=_name, required=True, help="profile id or family (every variant of it)")
-    project.add_argument("--technique", type=_name, default="baseline", metavar="STACK",
+    project.add_argument("--gpu", type=_names, required=True,
+                         help="profile id or family (every variant of it), or several, comma-separated")
+    project.add_argument("--technique", type=_stack, default="baseline", metavar="STACK",
                          help="a technique stack such as amp-bf16+checkpointing (default: baseline)")
     project.add_argument("--mode", default="train", help="train or infer")
     batch = project.add_mutually_exclusive_group()
@@ -66,6 +68,9 @@ def cmd_project(args) -> int:
     if args.max_context and args.max_batch:
         raise UsageError("--max-context solves for the prompt at a given batch, --max-batch for the batch at a given "
                          "prompt: give one")
+    if args.max_context and args.prompt_len is not None:
+        raise UsageError("--max-context solves for the prompt's length: leave --prompt-len out, or drop --max-context "
+                         "to project that prompt")
     if len(user) + bool(args.workload) > 1:
         raise UsageError("project answers for one model: give one of --workload, --model, --hf-config")
     named = {"workload": args.workload or user[0]} if args.workload or user else {}
@@ -94,8 +99,56 @@ def cmd_project(args) -> int:
         print("\n" * bool(index), end="")
         for key, value in row.items():
             print(f"{key:{width}}  {readable(key, value)}")
+    if args.format != "json" and len(records) > 1:
+        print("\n" + summary_table(records))
     # A projection that failed is not an answer: the row says why, the exit code that it failed.
-    return EXIT_CELLS_FAILED if any(record.status == "error" for record in records) else 0
+    if any(record.status == "error" for record in records):
+        return EXIT_CELLS_FAILED
+    # A stack no GPU asked for can run is a request to change: said in one line, as other bad input is.
+    if records and all(record.status == "unsupported" for record in records):
+        for reason in dict.fromkeys(record.reason for record in records):
+            print(f"headroom: error: {args.technique} is unsupported here: {reason}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# The side-by-side summary of several rows: (header, how a record gives the cell).
+SUMMARY = (
+    ("GPU", lambda r: r.gpu + (f" x{r.world_size}" if (r.world_size or 1) > 1 else "")),
+    ("status", lambda r: r.status),
+    ("batch", lambda r: str(r.batch_size)),
+    ("reserved GiB", lambda r: _gib(r.peak_reserved_bytes)),
+    ("step ms (range)", lambda r: _ranged(r.step_time_ms_p50, r.step_time_ms_low, r.step_time_ms_high)),
+    ("samples/s", lambda r: _figure(r.throughput_samples_s)),
+    ("tokens/s", lambda r: _figure(r.tokens_per_s)),
+    ("MFU", lambda r: f"{r.mfu:.0%}" if r.mfu else "-"),
+    ("USD/M samples", lambda r: _figure(r.usd_per_million_samples)),
+)
+
+
+def summary_table(records) -> str:
+    """Several projections side by side, one line each (the rows above hold every column and note), fastest
+    first among those that ran."""
+    ranked = sorted(records, key=lambda r: -(r.throughput_samples_s or 0) if r.status == "ok" else float("inf"))
+    cells = [[header for header, _ in SUMMARY]] + [[cell(record) for _, cell in SUMMARY] for record in ranked]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(SUMMARY))]
+    lines = ["  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)).rstrip()
+             for row in cells]
+    return "\n".join(["side by side, fastest first (projected):", *lines])
+
+
+def _figure(value) -> str:
+    return "-" if value is None or value != value else f"{value:,.3g}" if value < 100 else f"{value:,.0f}"
+
+
+def _gib(value) -> str:
+    return "-" if value is None or value != value else f"{value / 2**30:,.1f}"
+
+
+def _ranged(value, low, high) -> str:
+    if value is None or value != value:
+        return "-"
+    return _figure(value) + (f" ({_figure(low)}-{_figure(high)})" if low and high else "")
 
 
 def priced(record, prices):

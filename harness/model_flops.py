@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from harness.cell import ResolvedCell
+from harness.project.lean_import import quiet_module_tracking
 from suites.techniques import Run, Stack
 from suites.techniques.base import Phase
 from suites.workloads.base import SizeSpec, Workload
@@ -85,7 +86,7 @@ def training_flops(workload: Workload, spec: SizeSpec, stack: Stack, profile=Non
         stack.apply(run)
         batch = workload.batch(spec, samples, torch.Generator().manual_seed(0))
         counter = FlopCounterMode(display=False)
-        with counter, sdpa_kernel(SDPBackend.MATH):
+        with counter, quiet_module_tracking(), sdpa_kernel(SDPBackend.MATH):
             workload.loss(run.model, batch).backward()
     return float(counter.get_total_flops()) / samples
 
@@ -118,6 +119,6 @@ def forward_flops(workload: Workload, spec: SizeSpec, stack: Stack = BASELINE, m
         counter = FlopCounterMode(display=False)
         # The math path: FlopCounterMode has no formula for the CPU's fused attention kernel, and
         # attention is part of the analytic count being scaled.
-        with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        with counter, quiet_module_tracking(), torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
             workload.forward(run.model, batch)
     return float(counter.get_total_flops())

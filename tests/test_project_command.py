@@ -130,6 +130,10 @@ def test_max_batch_of_a_batchnorm_net_in_training_starts_at_two_samples(capsys, 
     (["--largest-model", "--batch-size", "2"], "drop --batch-size"),
     (["--batch-size", "0"], "--batch-size: expected a positive integer up to 2147483647, got 0"),
     (["--gpu", "cpu", "--max-batch"], "--max-batch needs a profile with a memory size"),
+    (["--mode", "infer", "--max-context", "--prompt-len", "100"], "--max-context solves for the prompt's length"),
+    (["--size", "gpt2-124m,gpt2-350m"], "expected one name, got the list 'gpt2-124m,gpt2-350m'"),
+    (["--technique", "amp-bf16,checkpointing"], "one stack joins its techniques with '+'"),
+    (["--gpu", ""], "expected a name, got nothing"),
 ])
 def test_project_refuses_flags_it_would_ignore_or_cannot_honour(argv, message, capsys):
     argv = ["project", *(["--gpu", "t4"] if "--gpu" not in argv else []), *argv]
@@ -138,10 +142,22 @@ def test_project_refuses_flags_it_would_ignore_or_cannot_honour(argv, message, c
 
 
 def test_max_batch_of_an_unsupported_stack_is_an_unsupported_row_without_a_search(capsys):
+    # The row is still written (a script reads why), and the command fails in one line, as other bad input does.
     assert main(["project", "--gpu", "t4", "--size", "gpt2-124m", "--technique", "amp-bf16", "--max-batch",
-                 "--format", "json"]) == 0
-    record = json.loads(capsys.readouterr().out)
+                 "--format", "json"]) == 2
+    out, err = capsys.readouterr()
+    record = json.loads(out)
     assert record["status"] == "unsupported" and record["batch_size"] == 8  # the size's own batch
+    assert err.count("\n") == 1 and err.startswith("headroom: error: amp-bf16 is unsupported here: ")
+
+
+def test_several_gpus_end_with_a_side_by_side_summary_fastest_first(capsys):
+    assert main(["project", "--gpu", "a100", "--size", "smoke"]) == 0
+    out = capsys.readouterr().out
+    summary = out.split("side by side, fastest first (projected):\n")[1].splitlines()
+    assert summary[0].split()[:3] == ["GPU", "status", "batch"] and len(summary) == 1 + 4  # the four A100s
+    speeds = [float(line.split()[6].replace(",", "")) for line in summary[1:]]  # samples/s
+    assert speeds == sorted(speeds, reverse=True)
 
 
 def test_max_batch_says_when_it_stopped_at_its_search_limit(capsys):

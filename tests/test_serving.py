@@ -273,6 +273,11 @@ def test_default_generation_fills_the_size_sequence():
     spec = _served("gpt2-124m", "baseline").spec
     assert (spec.seq_len, spec.gen_len) == (1024 - 128, 128)
     assert _served("smoke", "baseline").spec.gen_len == 8  # at most an eighth of a short sequence
+    # --gen-len alone takes its tokens off the prompt, not past the sequence's end.
+    spec = _served("gpt2-124m", "baseline", gen_len=256).spec
+    assert (spec.seq_len, spec.gen_len) == (1024 - 256, 256)
+    with pytest.raises(ValueError, match="--gen-len 1024 leaves no prompt in gpt2-124m's 1024-token sequence"):
+        _served("gpt2-124m", "baseline", gen_len=1024)
 
 
 def test_max_context_is_the_longest_prompt_that_fits():

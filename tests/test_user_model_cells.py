@@ -5,6 +5,7 @@ cells run in their own process, which rebuilds the model from the workload's nam
 from __future__ import annotations
 
 import json
+import warnings
 
 import pandas as pd
 import pytest
@@ -46,11 +47,16 @@ def test_hf_configs_and_a_factory_model_are_measured_with_projected_twins(config
 def test_a_hf_config_projects_onto_a_gpu_and_extrapolates_its_depth(configs, tmp_path, capsys):
     deep = json.loads(configs["llama"].read_text()) | {"num_hidden_layers": 16}
     path = _write(tmp_path / "deep", deep)
-    assert main(["project", "--hf-config", str(path), "--gpu", "h100-sxm", "--technique", "amp-bf16",
-                 "--format", "json"]) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["project", "--hf-config", str(path), "--gpu", "h100-sxm", "--technique", "amp-bf16",
+                     "--format", "json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["status"] == "ok" and row["fits"] is True and 0 < row["mfu"] <= 1
     assert "extrapolated from traces at 2 and 3 layers to 16" in row["notes"]
+    # PyTorch's module tracker warns where a Transformers model re-enters a module; the figures do not depend
+    # on its hierarchy (harness/project/lean_import.py), so the user is not shown it.
+    assert not [w for w in caught if "module hierarchy" in str(w.message)]
 
 
 def test_techniques_that_need_a_trait_the_model_lacks_say_which(configs, capsys):

@@ -15,6 +15,8 @@ import importlib
 import importlib.util
 import sys
 import types
+import warnings
+from contextlib import contextmanager
 
 PACKAGE = "torch.distributed._tools"
 
@@ -42,3 +44,14 @@ def import_mem_tracker() -> types.ModuleType:
     except Exception:  # a torch whose package layout differs: pay for the full import
         sys.modules.pop(name, None)
         return importlib.import_module(name)
+
+
+@contextmanager
+def quiet_module_tracking():
+    """Silence ModTracker's "the module hierarchy tracking maybe be messed up" (MemTracker and FlopCounterMode
+    track which module each op runs in with it): it warns where a model re-enters a module it is already inside
+    (Transformers' models do), which moves no byte between the tracker's categories and no FLOP from the total,
+    the only figures read here, so to a user it says nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
+        yield

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from harness.cell import ResolvedCell
 from harness.project.autocast_policy import cuda_autocast_policy
 from harness.project.fused_norms import cuda_fused_rms_norm
-from harness.project.lean_import import import_mem_tracker
+from harness.project.lean_import import import_mem_tracker, quiet_module_tracking
 from harness.project.op_costs import OpCost, OpShape, _OpCostMode, compiled_optimizer_ops, op_class
 from harness.project.weight_casts import WeightCasts
 from suites.step import Step
@@ -289,7 +289,7 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
                 first_matmuls.thread = {"forward_start": "forward", "forward_end": "backward"}.get(
                     name, first_matmuls.thread)
 
-            with tracker, first_matmuls:
+            with tracker, first_matmuls, quiet_module_tracking():
                 step(batch, mark=warm_up_mark)
             if step.optimizer:
                 tracker.track_external(step.optimizer)  # its state, created above, is now categorised
@@ -324,7 +324,8 @@ def trace_step(run_factory, stack: Stack, profile, batch_factory) -> StepTrace:
             # the forward's peak would switch between this moment and mid-forward as the depth grows, and
             # depth extrapolation from two small depths would join two different moments (depth.py).
             tracker.phase = "optimizer" if run.mode == "train" else "forward"
-            with tracker, costs, casts, _blocks_backward_marked(run, tracker) as forward_started:
+            with quiet_module_tracking(), tracker, costs, casts, \
+                    _blocks_backward_marked(run, tracker) as forward_started:
                 step(batch, mark=mark)
                 costs.flush()
             end = tracker.by_category()
