@@ -21,7 +21,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from harness.cell import ResolvedCell
-from harness.project.lean_import import quiet_module_tracking
 from suites.techniques import Run, Stack
 from suites.techniques.base import Phase
 from suites.workloads.base import SizeSpec, Workload
@@ -79,6 +78,8 @@ def _counted_training(cell: ResolvedCell, stack: Stack) -> float:
 def training_flops(workload: Workload, spec: SizeSpec, stack: Stack, profile=None) -> float:
     """FLOPs of one training forward and backward per sample through the model `stack` builds, counted by
     FlopCounterMode on fake tensors: autograd computes no gradient for a weight the stack freezes."""
+    from harness.project.lean_import import quiet_module_tracking  # harness.project builds on this module
+
     samples = 2  # BatchNorm in training needs more than one value per channel
     with FakeTensorMode(allow_non_fake_inputs=False):
         run = Run(workload=workload, size=spec, mode="train", profile=profile, model=workload.build(spec),
@@ -109,6 +110,8 @@ def _counted(cell: ResolvedCell, stack: Stack) -> float:
 def forward_flops(workload: Workload, spec: SizeSpec, stack: Stack = BASELINE, mode: str = "infer",
                   profile=None) -> float:
     """FLOPs of one forward of one sample through the model `stack` builds, counted by FlopCounterMode."""
+    from harness.project.lean_import import quiet_module_tracking  # harness.project builds on this module
+
     # Fake tensors: no memory and no real compute, so a large model counts in seconds.
     with FakeTensorMode(allow_non_fake_inputs=False):
         run = Run(workload=workload, size=spec, mode=mode, profile=profile, model=workload.build(spec),

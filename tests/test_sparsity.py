@@ -284,3 +284,19 @@ def test_fake_tensor_traces_build_the_same_shapes_as_real_runs(stack, mode):
     assert abs(_state_bytes(fake.model) - _state_bytes(real.model)) <= 0.01 * _state_bytes(real.model)
     if stack != "dynamic-sparsity":
         assert any("fake-tensor trace" in note for note in fake.notes)
+
+
+def test_a_projected_two_four_inference_on_sparse_tensor_cores_has_no_step_time():
+    # The trace runs the semi-structured layers masked dense: costing cuSPARSELt's kernels as those would pass a
+    # dense figure off as the sparse one, so the row keeps its memory and leaves the speed empty, saying why.
+    from harness.cell import Cell
+    from harness.profiles import load_profiles
+    from harness.project import project_outcome
+
+    profiles = load_profiles()
+    sparse, dense = (project_outcome(Cell("gpt", "smoke", "infer", stack, "h100-sxm", 2, "projected",
+                                          prompt_len=32, gen_len=8).resolve(profiles))
+                     for stack in ("bf16-weights+sparsity-2to4", "bf16-weights"))
+    assert sparse.status == dense.status == "ok" and dense.speed is not None
+    assert sparse.speed is None and sparse.memory.peak_reserved > 0
+    assert any("no step time: the trace cannot see cuSPARSELt's 2:4 sparse products" in n for n in sparse.notes)

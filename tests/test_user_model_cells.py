@@ -62,9 +62,10 @@ def test_a_hf_config_projects_onto_a_gpu_and_extrapolates_its_depth(configs, tmp
 def test_techniques_that_need_a_trait_the_model_lacks_say_which(configs, capsys):
     # ResNet-18 by factory declares no depth key or bottleneck roles; its blocks differ across stages.
     assert main(["project", "--model", "tests.user_models:resnet18_small", "--gpu", "a100-sxm4-80gb",
-                 "--technique", "param-sharing", "--format", "json"]) == 0
-    row = json.loads(capsys.readouterr().out)
-    assert row["status"] == "unsupported" and "uniform blocks" in row["reason"]
+                 "--technique", "param-sharing", "--format", "json"]) == 2  # the row, and a one-line refusal
+    out, err = capsys.readouterr()
+    row = json.loads(out)
+    assert row["status"] == "unsupported" and "uniform blocks" in row["reason"] and "uniform blocks" in err
     assert main(["project", "--model", "tests.user_models:resnet18_small", "--hf-config", str(configs["bert"]),
                  "--gpu", "t4"]) == 2
     assert "one of --workload, --model, --hf-config" in capsys.readouterr().err

@@ -232,6 +232,10 @@ def _apply_2to4(run: Run) -> None:
         if traced:
             run.notes.append("the trace runs on the CPU, where the layers stay masked dense: the memory and "
                              "speed of the semi-structured kernels are not modelled")
+            # A projection must not cost the sparse kernels as the dense layers it traced: no step time.
+            for module in run.model.modules():
+                if isinstance(module, SemiStructuredLinear):
+                    module.untraced_compute = "cuSPARSELt's 2:4 sparse products, traced as masked dense layers"
     if run.mode == "train":
         run.notes.append("memory/speed are of the masked dense model (zeros stored densely), as in any 2:4 "
                          "training")
