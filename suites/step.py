@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from suites.techniques.adapters import store_frozen_in
+from suites.techniques.adapters import store_frozen
 from suites.techniques.base import Run
 from suites.techniques.layout import to_layout
 from suites.workloads.base import Batch
@@ -73,7 +73,7 @@ class Step:
         run.model.train(self.train)
         self.model = _compiled(run.model, device) if run.compiled else run.model  # after train(): it picks the mode
         if self.train and run.autocast_dtype is not None:
-            store_frozen_in(run.model, run.autocast_dtype)
+            store_frozen(run)
         # Only what trains gets optimizer state (frozen adapter bases get none, whatever the optimizer).
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = run.optimizer_factory(trainable) if self.train else None

@@ -199,3 +199,15 @@ def test_qlora_keeps_a_mixtures_router_in_its_dtype():
     routers = [getattr(layer.router, "base_layer", layer.router) for layer in moe_layers(run.model)]  # adapted or not
     assert routers and all(type(router) is nn.Linear for router in routers)  # not NF4: it picks the experts
     assert any(isinstance(m, NF4Linear) for m in run.model.modules())  # the rest of the base is
+
+
+def test_a_projection_says_when_frozen_weights_are_held_in_autocasts_dtype():
+    # amp-bf16+lora holds the frozen base in bf16: its parameter bytes fall below an fp32 lora's, and the row says why.
+    from harness.project import project_outcome
+
+    cells = {stack: Cell("gpt", "gpt2-124m", "train", stack, "h100-sxm", 2, "projected").resolve(PROFILES)
+             for stack in ("lora", "amp-bf16+lora")}
+    lora, mixed = (project_outcome(cell) for cell in cells.values())
+    assert mixed.memory.params < 0.75 * lora.memory.params
+    assert any(note.startswith("the weights of ") and "frozen layers held in bfloat16" in note for note in mixed.notes)
+    assert not any("frozen layers held in" in note for note in lora.notes)

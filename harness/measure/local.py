@@ -30,7 +30,7 @@ from harness.provenance import nvml_info
 from harness.records import DEFAULT_NOISE_THRESHOLD
 from suites.step import Step
 from suites.techniques import Run, Unsupported
-from suites.techniques.adapters import store_frozen_in
+from suites.techniques.adapters import store_frozen
 from suites.techniques.offload import host_state_bytes
 from suites.workloads.base import count_parameters
 from suites.workloads.fragmentation import loop_specs
@@ -97,7 +97,7 @@ def measure(cell: ResolvedCell, settings: MeasureSettings) -> Outcome:
             raise RestartWithEnvironment(unset)
         if cell.mode == "train" and run.autocast_dtype is not None:
             # Before placement (Step would do it after): frozen weights never reach the device in fp32.
-            store_frozen_in(run.model, run.autocast_dtype)
+            store_frozen(run)
         if not run.placed:  # parallel stacks put their shards where they belong (host memory for cpu-offload)
             run.model = run.model.to(device)
         try:

@@ -152,6 +152,16 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
     return stored
 
 
+def store_frozen(run) -> None:
+    """`store_frozen_in` for a run's model in its autocast dtype, said in its notes (a row's parameter bytes then
+    fall below an fp32 model's: the frozen weights are 16-bit)."""
+    stored = store_frozen_in(run.model, run.autocast_dtype)
+    if stored:
+        dtype = str(run.autocast_dtype).removeprefix("torch.")
+        run.notes.append(f"the weights of {stored} frozen layers held in {dtype} (autocast computes them in it "
+                         "anyway; a weight never updated needs no fp32 master copy)")
+
+
 def _needs_peft(profile, workload, mode: str) -> str | None:
     reason = train_only("adapters")(profile, workload, mode)
     if reason:
