@@ -157,12 +157,13 @@ def describe(row, language: bool, ties: int = 0) -> dict:
     speed = f"{fmt.rate(throughput * scale)} {unit}/s"
     if bounds:
         speed += f" ({fmt.rate(bounds[0] * scale)} - {fmt.rate(bounds[1] * scale)}, " + \
-            ("run-to-run noise" if row["source"] == "measured" else "projection interval" + _pairs(row)) + ")"
+            ("run-to-run noise" if row["source"] == "measured" else "projection interval") + ")"
     return {
         "gpu": gpus, "stack": str(row["technique"]), "source": str(row["source"]),
         "batch": fmt.text(row["batch_size"]), "speed": speed, "cost": cost,
         "price": (str(row.get("price_label")) + _stale(row.get("price_date"))) if not fmt.missing(usd) else "",
         "left": _left(row),
+        "basis": _pairs(row) if bounds and row["source"] != "measured" else "", "note": None,
         "ties": (f"{ties} other{'s' if ties != 1 else ''} within its range"
                  + (f": no clear winner at this error bar ({NARROWS[row['source'] == 'measured']})"
                     if ties >= CLEAR_TIES else "")) if ties else "",
@@ -181,7 +182,18 @@ def _pairs(row) -> str:
     basis = row.get("interval_basis")
     step = next((part.removeprefix("step time: ") for part in str(basis).split("; ")
                  if part.startswith("step time: ")), None) if not fmt.missing(basis) else None
-    return f": {step}" if step else ""
+    return step or ""
+
+
+def number_bases(answers: list[dict]) -> list[str]:
+    """What the picks' projection intervals rest on, each told once under the table: every pick gets the number
+    (`note`) of its basis in the returned list, rather than the sentence in every cell."""
+    bases: dict[str, int] = {}
+    for answer in answers:
+        for pick in answer["picks"].values():
+            if pick and pick.get("basis"):
+                pick["note"] = bases.setdefault(pick["basis"], len(bases) + 1)
+    return list(bases)
 
 
 def _stale(day) -> str:

@@ -95,7 +95,8 @@ def test_a_pick_among_many_within_its_range_says_there_is_no_clear_winner_and_wh
             for i, t in enumerate(["amp-bf16", "checkpointing", "baseline", "amp-fp16", "grad-accumulation", "lora"])]
     fastest = answers(cost_rows(records_frame(rows), PRICES), CAPACITIES)[0]["picks"]["fastest"]
     assert fastest["ties"] == "5 others within its range: no clear winner at this error bar (measured twins narrow it)"
-    assert "projection interval: 12 cells (gpt bf16-mixed on hopper))" in fastest["speed"]
+    assert fastest["speed"].endswith(", projection interval)")
+    assert fastest["basis"] == "12 cells (gpt bf16-mixed on hopper)"
     few = answers(cost_rows(records_frame(rows[:2]), PRICES), CAPACITIES)[0]["picks"]["fastest"]
     assert few["ties"] == "1 other within its range"
     measured = [dict(row, source="measured", step_time_cv=0.5) for row in rows]
@@ -117,6 +118,19 @@ def test_projections_sharing_one_fit_tie_only_within_its_held_out_ratio_error():
     # A GPU costed by other constants (another vendor's, or priors) is judged by its range, as before.
     apart = answers(frame, CAPACITIES, {"h100-sxm": "nvidia", "b200": "nvidia"}, 0.25)[0]["picks"]["fastest"]
     assert apart["ties"] == "2 others within its range"
+
+
+def test_what_an_interval_rests_on_is_told_once_under_the_table_not_in_every_pick():
+    from reports.answer import number_bases
+
+    basis = "step time: 12 cells (gpt bf16-mixed on hopper)"
+    rows = [_row(gpu=gpu, throughput_samples_s=speed, step_time_ms_p50=100.0, step_time_ms_low=80.0,
+                 step_time_ms_high=120.0, interval_basis=basis) for gpu, speed in (("a10", 10.0), ("b200", 90.0))]
+    listed = answers(cost_rows(records_frame(rows), PRICES), CAPACITIES)
+    assert number_bases(listed) == ["12 cells (gpt bf16-mixed on hopper)"]
+    picks = listed[0]["picks"]
+    assert {picks[name]["note"] for name in ("cheapest", "fastest", "value")} == {1}
+    assert "12 cells" not in picks["fastest"]["speed"]
 
 
 def test_a_price_over_a_year_old_is_flagged_in_its_pick():
