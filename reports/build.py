@@ -99,15 +99,17 @@ def capacities_of(profiles: dict) -> dict[str, int]:
 
 
 def fitted_keys(profiles: dict) -> dict[str, str]:
-    """GPU profile id -> the key of the fitted speed constants its projections are costed with (those of one key
-    err together); GPUs costed with priors alone are left out."""
+    """GPU profile id -> the vendor whose fitted speed constants its projections are costed with (one fit for
+    all of a vendor's generations, which add a few priors of their own: projections of one vendor err together,
+    as benchmarks/cross_gpu_ratios.py checks across Ampere and Hopper); GPUs costed with priors alone are left
+    out."""
     from harness.project.speed_constants import constants_for
 
     keys = {}
     for pid in capacities_of(profiles):
         constants = constants_for(profiles[pid].per_device())
         if constants.gpu.fitted:
-            keys[pid] = constants.key
+            keys[pid] = constants.key.split(".")[0]
     return keys
 
 

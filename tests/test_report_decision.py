@@ -365,8 +365,8 @@ def buyers_page() -> str:
 
 def test_a_reader_finds_what_to_buy_and_what_it_costs(buyers_page):
     training, serving = ([row for row in table if row] for table in _Answers(buyers_page).tables)
-    row = next(r for r in training if r[:3] == ["gpt", "gpt2-1.3b", "train"])
-    best_value = row[5]
+    row = next(r for r in training if r[0].startswith("gpt2-1.3b (gpt) / train"))  # the size, its workload, the mode
+    best_value = row[3]
     # Fine-tuning gpt2-1.3b: best value on a b200 (measured), with USD per million tokens and the dated price.
     assert best_value.startswith("b200 · baseline") and "/ M tokens" in best_value and "$6.00/h, 2026-01" in best_value
     seven_b = next(r for r in serving if r[0] == "gpt-7b")
@@ -378,9 +378,9 @@ def test_an_inference_answer_of_a_served_size_points_to_the_serving_answer():
     page = render([pd.concat([_frame(), cost_rows(records_frame([served]), PRICES)], ignore_index=True)],
                   matrix=_matrix(), prices=PRICES, profiles=PROFILES)
     training, _ = ([row for row in table if row] for table in _Answers(page).tables)
-    rows = {tuple(row[:2]): row[2] for row in training}
-    assert "served with 16-bit or quantised weights, see serving a decoder" in rows[("gpt", "gpt-7b")]
-    assert rows[("gpt", "gpt2-1.3b")] == "train"  # a training answer, and a size the matrix does not serve
+    rows = {row[0].split(")")[0] + ")": row[0] for row in training}
+    assert "served with 16-bit or quantised weights, see serving a decoder" in rows["gpt-7b (gpt)"]
+    assert rows["gpt2-1.3b (gpt)"] == "gpt2-1.3b (gpt) / train"  # a training answer, a size the matrix does not serve
     assert 'id="serving-answer"' in page
     # A served decoder's speed and cost count generated tokens; a training row's every token of the sequence.
     decoding = _row(size="gpt-7b", mode="infer", technique="baseline", gen_len=128, throughput_samples_s=1.0)
