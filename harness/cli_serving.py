@@ -106,7 +106,12 @@ def _table(matrix, first_context: str):
     """The matrix for people: the answer's columns first, bytes in GiB, rates rounded; one-token headers
     (a header of several words reads as several columns), the speed columns naming the context they are at.
     Notes go under the table (`_notes`), not in a column as wide as the longest."""
+    import pandas as pd
+
+    # A context past every size's own is a column of dashes: left out (each row's note says why); the first
+    # context's stays, the speeds being at it.
     batches = [c for c in matrix.columns if c.startswith("max_batch_")]
+    batches = [c for c in batches if c == batches[0] or pd.to_numeric(matrix[c], errors="coerce").notna().any()]
     at = f"@{first_context}"
     columns = {"size": "size", "gpu": "GPU", "gpus": "GPUs", "weights": "weights",
                **{c: "max-batch@" + c.removeprefix("max_batch_") for c in batches},

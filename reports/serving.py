@@ -72,7 +72,10 @@ def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
     """The serving fit matrix as a table (largest batch per context first), a chart, and C1's verdict."""
     if matrix is None or matrix.empty:
         return None
+    # A context past every size's own (32k for 4k-context models) is a column of dashes: left out, each row's note
+    # says why.
     batches = [c for c in matrix.columns if c.startswith("max_batch_")]
+    batches = [c for c in batches if c == batches[0] or pd.to_numeric(matrix[c], errors="coerce").notna().any()]
     # A tensor-parallel replica's rows (serve-matrix --tp) name their GPUs; a matrix of one GPU each does not.
     replicas = [("gpus", "GPUs per replica", fmt.text)] if "gpus" in matrix and (matrix["gpus"] > 1).any() else []
     columns = MATRIX_COLUMNS[:2] + replicas + [MATRIX_COLUMNS[2]] + [

@@ -287,6 +287,16 @@ def test_serving_picks_and_table_show_the_projections_range():
     assert "3,000 (2,400 - 3,750)" in [cell for row in table["rows"] for cell in row["cells"]]
 
 
+def test_a_context_past_every_sizes_own_is_not_a_column_of_dashes():
+    from harness.cli_serving import _table
+    from reports.serving import matrix_section
+
+    matrix = _matrix().assign(max_batch_32k=None)  # gpt-7b's context is 4k: no batch at 32k
+    assert "largest batch at 32k" not in matrix_section(matrix, None)["headers"]
+    assert "max-batch@32k" not in _table(matrix, "4k").columns
+    assert "largest batch at 32k" in matrix_section(matrix.assign(max_batch_32k=2), None)["headers"]
+
+
 def test_a_tensor_parallel_replica_is_named_by_its_gpus_and_costs_all_their_hours():
     matrix = pd.concat([_matrix(), _matrix().iloc[[0]].assign(gpus=2, usd_per_million_tokens_max=0.5)],
                        ignore_index=True).assign(gpus=lambda m: m["gpus"].fillna(1))
