@@ -117,19 +117,22 @@ def _wrapped(title: str, width_inches: float, fontsize: float = 9) -> str:
     return textwrap.fill(title, width=max(20, int(width_inches * 72 / (0.55 * fontsize))))
 
 
-def memory_bars(stacks: list[str], parts: dict[str, list[float]], title: str) -> str:
-    """Horizontal bars, one per stack, split into memory categories (bytes, drawn in GiB)."""
+def memory_bars(stacks: list[str], parts: dict[str, list[float]], title: str, capacity: float | None = None) -> str:
+    """Horizontal bars, one per stack, split into memory categories (bytes, drawn in GiB), with the GPU's memory
+    (`capacity` bytes) as a dashed line where known: a bar past it does not fit."""
     figure, axis = plt.subplots(figsize=(9.0, 0.34 * len(stacks) + 1.5))
     left = [0.0] * len(stacks)
     for category, values in parts.items():
         widths = [v / GIB for v in values]
         axis.barh(range(len(stacks)), widths, left=left, color=CATEGORY_COLOURS.get(category), label=category)
         left = [a + b for a, b in zip(left, widths, strict=True)]
+    if capacity:
+        axis.axvline(capacity / GIB, color="#333333", lw=1, ls="--", label=f"GPU memory ({capacity / GIB:,.0f} GiB)")
     axis.set_yticks(range(len(stacks)), stacks, fontsize=8)
     axis.invert_yaxis()
     axis.set_xlabel("GiB at the step's peak", fontsize=8)
     axis.set_title(title, fontsize=9)
-    if parts:  # rows without a breakdown (all figures unknown) draw empty bars and no legend
+    if parts or capacity:  # rows without a breakdown (all figures unknown) draw empty bars and no legend
         axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     figure.tight_layout()
     return svg_of(figure)

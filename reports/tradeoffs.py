@@ -66,9 +66,9 @@ def fit_matrices(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
     return matrices
 
 
-def _reference_rows(group: pd.DataFrame) -> tuple[str, str, pd.DataFrame]:
-    """The size and GPU a workload's breakdown is drawn for: measured rows where there are (a GPU that
-    was there), else the largest size with the most stacks on the GPU with the most rows."""
+def _reference_rows(group: pd.DataFrame) -> tuple[str, str, pd.DataFrame, str]:
+    """The size and GPU a workload's breakdown is drawn for, and why: measured rows where there are (a GPU
+    that was there), else the largest size with the most stacks on the GPU with the most rows."""
     measured = group[group["source"] == "measured"]
     pool = measured if len(measured) else group
     ok = pool[pool["status"] == "ok"]
@@ -80,8 +80,13 @@ def _reference_rows(group: pd.DataFrame) -> tuple[str, str, pd.DataFrame]:
     # A GPU people know the figures of reads best; failing those, the one with the most stacks.
     known = [gpu for gpu in REFERENCE_GPUS if gpus.get(gpu, 0) == gpus.max()]
     gpu = known[0] if known else max(gpus.index, key=lambda name: (gpus[name], name))
+    fitting = "run" if len(ok) else "were tried"
+    why = (f"the GPU these {size} cells were measured on" if len(measured) else
+           f"the largest size with the most stacks that {fitting}, on "
+           + (f"the most familiar GPU where as many {fitting} as anywhere" if known else
+              f"the GPU where the most {fitting}"))
     # Every stack on that size and GPU, measured cells standing in for their projected twins (_cells).
-    return size, gpu, group[(group["size"] == size) & (group["gpu"] == gpu)]
+    return size, gpu, group[(group["size"] == size) & (group["gpu"] == gpu)], why
 
 
 def memory_sections(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
@@ -89,7 +94,7 @@ def memory_sections(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dic
     rows = _cells(frame, capacities)
     sections = []
     for (workload, mode), group in rows.groupby(["workload", "mode"], sort=False):
-        size, gpu, chosen = _reference_rows(group)
+        size, gpu, chosen, why = _reference_rows(group)
         chosen = chosen.drop_duplicates("technique")
         sources = set(chosen["source"])
         source = "measured" if sources == {"measured"} else "projected" if sources == {"projected"} else \
@@ -104,8 +109,8 @@ def memory_sections(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dic
         numbers = {name: values for name, values in numbers.items() if any(values)}
         stacks = chosen["technique"].astype(str).tolist()
         title = f"{workload} {size} {mode} on {gpu} ({source}): where memory goes"
-        section = {"name": f"memory-{workload}-{mode}", "title": title,
-                   "svg": charts.memory_bars(stacks, numbers, title), "pareto": None}
+        section = {"name": f"memory-{workload}-{mode}", "title": title, "why": f"drawn for {why}",
+                   "svg": charts.memory_bars(stacks, numbers, title, capacities.get(gpu)), "pareto": None}
         speed = chosen[chosen["status"] == "ok"]
         # Language models read in tokens, as the answer and the cost charts give them; the rest in samples.
         tokens = pd.to_numeric(speed.get("tokens_per_s"), errors="coerce").astype(float)

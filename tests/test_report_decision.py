@@ -206,7 +206,12 @@ def test_the_pareto_chart_starts_both_axes_at_zero(monkeypatch):
 
 def test_the_pareto_front_holds_the_stacks_no_other_beats_on_both():
     [section] = memory_sections(_frame(), CAPACITIES)
-    assert "b200" in section["title"]  # the GPU that was measured
+    assert "b200" in section["title"] and section["why"] == "drawn for the GPU these gpt2-1.3b cells were measured on"
+    # The b200's memory is drawn as a line: a bar past it does not fit.
+    assert f"GPU memory ({CAPACITIES['b200'] / GIB:,.0f} GiB)" in section["svg"]
+    projected = _frame()[lambda f: f["source"] == "projected"]
+    [drawn] = memory_sections(projected, CAPACITIES)
+    assert drawn["why"] == "drawn for the largest size with the most stacks that run, on the GPU where the most run"
     # b200: baseline 3 GiB at 100/s (measured), checkpointing 2 GiB at 80/s, grad-accumulation 2.5 GiB at 60/s.
     assert section["pareto"]["front"] == "checkpointing, baseline"
 
