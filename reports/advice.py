@@ -35,7 +35,22 @@ def oom_advice(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
             same_batch = fitting[fitting["batch_size"] == oom["batch_size"]] if "batch_size" in fitting else fitting
             lines = rank_fixes(target, [_summary(row, capacity) for _, row in same_batch.iterrows()])
             entries.append({"cell": " ".join(str(k) for k in key) + f" / {oom['technique']}",
+                            "model": " ".join(str(k) for k in key[:3]), "gpu": str(key[3]),
                             "short": "unknown" if target["left"] is None else f"{-target['left'] / 2**30:,.1f} GiB",
                             "fixes": lines[:3], "more": max(0, len(lines) - 3)})
     # The cells a stack in these rows rescues first; the rest need what the rows did not try.
     return sorted(entries, key=lambda entry: not entry["fixes"])
+
+
+def unfixed(entries: list[dict]) -> list[dict]:
+    """The cells no stack in the rows fits, one line per model and mode: which GPUs, how many cells, and the
+    range they are short by (a report's hundreds of such cells would otherwise repeat one sentence each)."""
+    groups: dict[str, dict] = {}
+    for entry in entries:
+        if entry["fixes"]:
+            continue
+        group = groups.setdefault(entry["model"], {"model": entry["model"], "gpus": [], "cells": 0})
+        group["cells"] += 1
+        if entry["gpu"] not in group["gpus"]:
+            group["gpus"].append(entry["gpu"])
+    return [dict(group, gpus=", ".join(group["gpus"])) for group in groups.values()]

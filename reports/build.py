@@ -143,7 +143,7 @@ def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_
     """The sections that decide a purchase: the answer, fit matrices, memory and speed trade-offs, OOM
     advice, prices and the guide's claims judged (reports/answer.py, tradeoffs.py, advice.py, claims.py)."""
     from harness.project.speed_constants import ratio_check
-    from reports.advice import oom_advice
+    from reports.advice import oom_advice, unfixed
     from reports.answer import answers, cost_charts, number_bases
     from reports.claims import judge_claims, single_gpu_cells
     from reports.claims_parallel import strategy_table
@@ -152,11 +152,12 @@ def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_
     capacities = capacities_of(profiles)
     ratio_error = ratio_check().get("worst_abs_error")
     picks = answers(frame, capacities, fitted_keys(profiles), ratio_error)
+    advice = oom_advice(frame, capacities)
     return {
         "answers": picks, "interval_bases": number_bases(picks),
         "ratio_check": ratio_check(), "cost_charts": cost_charts(frame, capacities),
         "fit_matrices": fit_matrices(frame, capacities), "memory": memory_sections(frame, capacities),
-        "advice": oom_advice(frame, capacities), "prices": price_rows(prices, profiles, frame),
+        "advice": advice, "advice_unfixed": unfixed(advice), "prices": price_rows(prices, profiles, frame),
         "claims": judge_claims(frame, capacities, **claims_from),
         "strategy": strategy_table(single_gpu_cells(frame, capacities)) if len(frame) else [],
     }

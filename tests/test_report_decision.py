@@ -216,6 +216,16 @@ def test_the_pareto_front_holds_the_stacks_no_other_beats_on_both():
     assert section["pareto"]["front"] == "checkpointing, baseline"
 
 
+def test_cells_no_stack_fits_are_listed_once_per_model_not_once_per_cell():
+    from reports.advice import unfixed
+
+    rows = [_row(gpu=gpu, technique=stack, status="oom", fits=False, peak_reserved_bytes=200 * GIB)
+            for gpu in ("a10", "h100-sxm") for stack in ("baseline", "amp-bf16")]
+    advice = oom_advice(cost_rows(records_frame(rows), PRICES), CAPACITIES)
+    assert len(advice) == 4 and not any(entry["fixes"] for entry in advice)
+    assert unfixed(advice) == [{"model": "gpt gpt2-1.3b train", "gpus": "a10, h100-sxm", "cells": 4}]
+
+
 def test_oom_cells_get_the_stacks_that_fit_them():
     [entry] = oom_advice(_frame(), CAPACITIES)
     assert entry["cell"] == "gpt gpt2-1.3b train h100-sxm / baseline"
