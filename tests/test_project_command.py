@@ -160,6 +160,12 @@ def test_several_gpus_end_with_a_side_by_side_summary_fastest_first(capsys):
     assert speeds == sorted(speeds, reverse=True)
 
 
+def test_max_batch_where_no_batch_fits_says_so(capsys):
+    assert main(["project", "--gpu", "l4", "--size", "gpt-7b", "--max-batch", "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["status"] == "oom" and record["reason"].startswith("no batch fits: even batch 1 needs ")
+
+
 def test_max_batch_says_when_it_stopped_at_its_search_limit(capsys):
     assert main(["project", "--gpu", "h200-nvl", "--size", "smoke", "--mode", "infer", "--max-batch",
                  "--format", "json"]) == 0

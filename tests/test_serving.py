@@ -294,7 +294,9 @@ def test_max_context_is_the_longest_prompt_that_fits():
 
     limit = "the model's own limit binds"
     assert limit in _projected_row(_served("gpt2-124m", "bf16-weights", gen_len=24), False, True).notes
-    assert limit not in _projected_row(cell, False, True).notes
+    bound = _projected_row(cell, False, True).notes
+    # Where memory binds, the row says what the longest prompt leaves of the card, as --max-batch does for a batch.
+    assert limit not in bound and f"--max-context: a {prompt:,}-token prompt at batch 24 leaves " in bound
 
 
 def test_the_kv_cache_is_counted_in_the_projected_memory():

@@ -238,25 +238,33 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
     record = to_record(cell, project_outcome(cell), PROJECT_RUN_ID)
     if search_batch and record.status == "ok":
         notes.append(_margin_note(record, cell.profile.per_device().capacity_bytes))
+    elif search_batch and record.status == "oom":
+        # The row shown is the smallest batch the search tried: that it does not fit answers the question.
+        record.reason = f"no batch fits: even batch {cell.batch_size} {record.reason}"
+    if search_context and record.status == "ok" and not any(n.startswith("--max-context: the model's") for n in notes):
+        notes.append(_margin_note(record, cell.profile.per_device().capacity_bytes, context=True))
     record.notes = "; ".join(filter(None, [record.notes, *notes]))
     return record
 
 
-def _margin_note(record: Record, capacity: int | None) -> str:
-    """What the largest batch leaves to spare (after the CUDA context, as `headroom advise` counts it), and
-    whether the projection's error bar stays inside the card."""
+def _margin_note(record: Record, capacity: int | None, context: bool = False) -> str:
+    """What the largest batch (`context`: the longest prompt) leaves to spare (after the CUDA context, as
+    `headroom advise` counts it), and whether the projection's error bar stays inside the card."""
     from harness.advise import memory_row, row_memory_left, row_memory_left_worst  # advise builds on this module
 
     row = memory_row(record)
     left = row_memory_left(row, capacity) if capacity else None
     if left is None:
         return ""
-    note = (f"--max-batch: batch {record.batch_size} leaves {left / 2**30:.1f} GiB of the card's "
+    found = (f"--max-context: a {record.seq_len:,}-token prompt at batch {record.batch_size}" if context else
+             f"--max-batch: batch {record.batch_size}")
+    note = (f"{found} leaves {left / 2**30:.1f} GiB of the card's "
             f"{capacity / 2**30:.0f} GiB" + (" after the CUDA context" if row["device_overhead_bytes"] else ""))
     worst = row_memory_left_worst(row, capacity)
     if worst is not None and worst < 0:
         note += (f", but at the error bar's upper end ({row['peak_reserved_high_bytes'] / 2**30:.1f} GiB reserved) "
-                 f"it is short by {-worst / 2**30:.1f} GiB: a smaller batch is safer until a run on the card "
+                 f"it is short by {-worst / 2**30:.1f} GiB: a smaller {'prompt' if context else 'batch'} is safer "
+                 "until a run on the card "
                  "confirms this one")
     return note
 
