@@ -178,8 +178,8 @@ def test_missing_values_show_the_empty_mark(hostile_html):
     gpt = sections["gpt"][0]
     missing = _row_by(gpt, "status", "oom")
     for header in ("batch", "precision", "peak allocated", "peak reserved", "params", "grads", "optimizer",
-                   "activations", "temporaries at peak", "step p50 (ms)", "step p90 (ms)", "samples/s", "tokens/s",
-                   "MFU", "USD / M samples"):
+                   "activations", "temporaries at peak", "step p50 (ms)", "step p90 (ms)", "samples/s (by mean step)",
+                   "tokens/s", "MFU", "USD / M samples"):
         assert header in missing, f"no column {header!r}: {gpt['headers']}"
         assert missing[header] == EMPTY, (header, missing[header])
     # No cell anywhere spells a missing value as nan/None/<NA>/0 or leaves it blank.
@@ -202,7 +202,7 @@ def test_present_values_are_formatted_and_zero_is_not_missing(hostile_html):
     assert full["params"] == "0 B"                      # a real zero stays zero
     assert full["batch"] == "32" and full["precision"] == "bf16"
     assert full["step p50 (ms)"] == "12.50"
-    assert full["samples/s"] == "2,560.0"
+    assert full["samples/s (by mean step)"] == "2,560.0"
     assert full["MFU"] == "40.0%"
     # Costed again at the report's price (the row's own 1.50 came from another price): USD/h over samples/h.
     price = load_profiles()["h100-sxm"].usd_per_hour
