@@ -4,6 +4,7 @@ the serving fit matrix (harness/serve_matrix.py) as a table and a chart, with th
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from reports import format as fmt
@@ -137,7 +138,12 @@ def fit_chart(matrix: pd.DataFrame, column: str) -> str:
         part = matrix[matrix["weights"] == weight].pivot_table(index="size", columns="gpu", values=column,
                                                                 aggfunc="first").reindex(index=sizes, columns=gpus)
         values = part.astype(float).to_numpy()
-        axis.imshow((values > 0).astype(float), cmap="RdYlGn", vmin=-0.3, vmax=1.3, aspect="auto")
+        # Red where it does not fit; from yellow (batch 1) to green (the panel's largest batch) on a log scale,
+        # so a card that holds batch 70 reads apart from one that holds 3; blank where not tabulated.
+        largest = np.log(max(2.0, np.nanmax(values, initial=2.0)))
+        shade = np.where(values > 0, 0.5 + 0.5 * np.log(np.where(values > 0, values, 1.0)) / largest,
+                         np.where(values == 0, 0.0, np.nan))
+        axis.imshow(shade, cmap="RdYlGn", vmin=-0.1, vmax=1.1, aspect="auto")
         for (i, j), value in pd.DataFrame(values).stack(future_stack=True).items():
             axis.text(j, i, "-" if value != value else ("OOM" if value == 0 else f"{int(value)}"),
                       ha="center", va="center", fontsize=7)
