@@ -277,6 +277,9 @@ def cost_charts(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
     if not len(rows):
         return charts
     rows = rows.dropna(subset=["usd_per_million_samples"])
+    # Every chart colours a size alike: the report's sizes, smallest model first.
+    params = pd.to_numeric(rows["param_count"], errors="coerce") if "param_count" in rows else pd.Series(0, rows.index)
+    palette = list(rows.assign(params=params).sort_values("params", kind="stable")["size"].astype(str).unique())
     for (workload, mode), group in rows.groupby(["workload", "mode"], sort=False):
         language = group["usd_per_million_tokens"].notna().all()
         column = "usd_per_million_tokens" if language else "usd_per_million_samples"
@@ -293,7 +296,7 @@ def cost_charts(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
         unit = "tokens" if language else "samples"
         title = f"{workload} {mode}: USD per million {unit} on each GPU"
         charts.append({"name": f"cost-{workload}-{mode}", "title": title,
-                       "svg": cost_dots(points, title, unit)})
+                       "svg": cost_dots(points, title, unit, palette)})
     return charts
 
 

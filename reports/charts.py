@@ -56,15 +56,16 @@ def _cost_axis(axis, values: list[float]) -> None:
     axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
 
 
-def cost_dots(points: list[dict], title: str, unit: str) -> str:
+def cost_dots(points: list[dict], title: str, unit: str, palette: list[str] | None = None) -> str:
     """USD per million per GPU (`_cost_axis` picks the scale), one marker per model size, with each point's
     range as an error bar; hollow markers are projected, filled ones measured. `points`: gpu, size, cost, low,
-    high, measured."""
+    high, measured. `palette`: the report's sizes in order, so a size keeps its colour from chart to chart."""
     gpus = sorted({p["gpu"] for p in points}, key=lambda g: min(p["cost"] for p in points if p["gpu"] == g))
     sizes = list(dict.fromkeys(p["size"] for p in points))
+    palette = palette or sizes
     figure, axis = plt.subplots(figsize=(7.5, 0.32 * len(gpus) + 1.4))
     for index, size in enumerate(sizes):
-        colour = plt.cm.tab10(index % 10)
+        colour = plt.cm.tab10((palette.index(size) if size in palette else index) % 10)
         for point in (p for p in points if p["size"] == size):
             y = gpus.index(point["gpu"]) + (index - (len(sizes) - 1) / 2) * 0.12
             error = [[point["cost"] - point["low"]], [point["high"] - point["cost"]]] \

@@ -133,6 +133,17 @@ def test_what_an_interval_rests_on_is_told_once_under_the_table_not_in_every_pic
     assert "12 cells" not in picks["fastest"]["speed"]
 
 
+def test_a_size_keeps_its_colour_from_one_cost_chart_to_the_next():
+    from reports.answer import cost_charts
+
+    rows = [_row(size="gpt2-1.3b", param_count=1_300_000_000, throughput_samples_s=10.0),
+            _row(size="gpt-7b", param_count=7_000_000_000, throughput_samples_s=2.0),
+            _row(size="gpt-7b", param_count=7_000_000_000, mode="infer", throughput_samples_s=5.0)]
+    train, infer = cost_charts(cost_rows(records_frame(rows), PRICES), CAPACITIES)
+    # tab10's second colour for the second-smallest model, in the chart without the smallest too.
+    assert "#ff7f0e" in train["svg"] and "#ff7f0e" in infer["svg"] and "#1f77b4" not in infer["svg"]
+
+
 def test_a_price_over_a_year_old_is_flagged_in_its_pick():
     stale = {"a10": Price("a10", 0.9, "2020-01", "test")}
     [answer] = answers(cost_rows(records_frame([_row(gpu="a10", throughput_samples_s=10.0)]), stale), CAPACITIES)
