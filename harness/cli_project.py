@@ -9,8 +9,8 @@ import math
 import sys
 from pathlib import Path
 
-from harness.cli import EXIT_CELLS_FAILED, _add_generation_flags, _add_user_model_flags, _user_workloads
-from harness.cli_args import UsageError, _count, _name, _names, _profiles, _stack
+from harness.cli import EXIT_CELLS_FAILED, EXIT_USAGE, _add_generation_flags, _add_user_model_flags, _user_workloads
+from harness.cli_args import UsageError, _count, _name, _names, _profiles, _stack, printable
 
 
 def add_parser(sub) -> None:
@@ -107,8 +107,8 @@ def cmd_project(args) -> int:
     # A stack no GPU asked for can run is a request to change: said in one line, as other bad input is.
     if records and all(record.status == "unsupported" for record in records):
         for reason in dict.fromkeys(record.reason for record in records):
-            print(f"headroom: error: {args.technique} is unsupported here: {reason}", file=sys.stderr)
-        return 2
+            print(printable(f"headroom: error: unsupported here: {reason}"), file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 

@@ -130,9 +130,11 @@ def _ties(rows: pd.DataFrame, pick, per: str, comparable: dict[str, str] | None 
 
 
 def _shared_fit(first, second, comparable: dict[str, str]) -> bool:
-    """Whether two rows are projections on GPUs costed by one fitted set of speed constants."""
+    """Whether two rows are projections on two GPUs costed by one fitted set of speed constants (two stacks on one
+    GPU are not what the ratio check measured)."""
     keys = {comparable.get(str(first["gpu"])), comparable.get(str(second["gpu"]))}
-    return first["source"] == second["source"] == "projected" and len(keys) == 1 and None not in keys
+    return (first["source"] == second["source"] == "projected" and first["gpu"] != second["gpu"]
+            and len(keys) == 1 and None not in keys)
 
 
 def describe(row, language: bool, ties: int = 0) -> dict:
@@ -164,7 +166,7 @@ def describe(row, language: bool, ties: int = 0) -> dict:
         "price": (str(row.get("price_label")) + _stale(row.get("price_date"))) if not fmt.missing(usd) else "",
         "left": _left(row),
         "basis": _pairs(row) if bounds and row["source"] != "measured" else "", "note": None,
-        "ties": (f"{ties} other{'s' if ties != 1 else ''} within its range"
+        "ties": (f"{ties} other{'s' if ties != 1 else ''} too close to call"
                  + (f": no clear winner at this error bar ({NARROWS[row['source'] == 'measured']})"
                     if ties >= CLEAR_TIES else "")) if ties else "",
     }

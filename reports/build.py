@@ -99,17 +99,17 @@ def capacities_of(profiles: dict) -> dict[str, int]:
             if profile.vendor != "cpu" and profile.per_device().capacity_bytes}
 
 
-def fitted_keys(profiles: dict) -> dict[str, str]:
-    """GPU profile id -> the vendor whose fitted speed constants its projections are costed with (one fit for
-    all of a vendor's generations, which add a few priors of their own: projections of one vendor err together,
-    as benchmarks/cross_gpu_ratios.py checks across Ampere and Hopper); GPUs costed with priors alone are left
-    out."""
+def fitted_keys(profiles: dict, checked: list[str]) -> dict[str, str]:
+    """GPU profile id -> the vendor whose fitted speed constants its projections are costed with (one fit for all
+    of a vendor's generations: projections on them err together), for the generations of the `checked` GPUs
+    (those benchmarks/cross_gpu_ratios.py measured the ratio error on); other GPUs are left out."""
     from harness.project.speed_constants import constants_for
 
+    generations = {profiles[gpu].generation for gpu in checked if gpu in profiles}
     keys = {}
     for pid in capacities_of(profiles):
         constants = constants_for(profiles[pid].per_device())
-        if constants.gpu.fitted:
+        if constants.gpu.fitted and profiles[pid].generation in generations:
             keys[pid] = constants.key.split(".")[0]
     return keys
 
@@ -152,7 +152,7 @@ def decision_sections(frame: pd.DataFrame, profiles: dict, prices: dict, claims_
 
     capacities = capacities_of(profiles)
     ratio_error = ratio_check().get("worst_abs_error")
-    picks = answers(frame, capacities, fitted_keys(profiles), ratio_error)
+    picks = answers(frame, capacities, fitted_keys(profiles, ratio_check().get("gpus", [])), ratio_error)
     advice = oom_advice(frame, capacities)
     return {
         "answers": picks, "interval_bases": number_bases(picks),

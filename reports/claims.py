@@ -303,7 +303,9 @@ def judge_c16(rows: pd.DataFrame) -> dict:
         same = train[(train["workload"] == row["workload"]) & (train["size"] == row["size"])
                      & (train["gpu"] == row["gpu"]) & (train["source"] == row["source"])
                      & (train["batch_size"] == row["batch_size"])]
-        alone = same[[set(str(t).split("+")) <= simple for t in same["technique"]]]
+        # Tried alone means it ran: an unsupported or failed stack (no bf16 on a T4) says nothing of it.
+        simple_only = pd.Series([set(str(t).split("+")) <= simple for t in same["technique"]], index=same.index)
+        alone = same[simple_only & same["status"].isin(["ok", "oom"])]
         if not (same["status"] == "ok").any():
             continue
         if alone.empty:

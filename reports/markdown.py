@@ -82,12 +82,15 @@ def answer_markdown(frame: pd.DataFrame, profiles: dict | None, prices: dict | N
     """The report's answer as a table: per model and mode, the best-value and the fastest GPU + stack."""
     from harness.prices import cost_rows, price_table
     from harness.profiles import load_profiles
+    from harness.project.speed_constants import ratio_check
     from reports.answer import answers
-    from reports.build import capacities_of
+    from reports.build import capacities_of, fitted_keys
 
     profiles = load_profiles() if profiles is None else profiles
     costed = cost_rows(frame, price_table(profiles) if prices is None else prices)
-    found = answers(costed, capacities_of(profiles))
+    check = ratio_check()  # ties judged as the HTML report judges them
+    found = answers(costed, capacities_of(profiles), fitted_keys(profiles, check.get("gpus", [])),
+                    check.get("worst_abs_error"))
     if not found:
         return []
 
@@ -96,8 +99,10 @@ def answer_markdown(frame: pd.DataFrame, profiles: dict | None, prices: dict | N
             return why
         price = f" ({value['price']})" if value["price"] else ""
         ties = f"; tie: {value['ties']}" if value["ties"] else ""
-        return (f"{value['gpu']} · {value['stack']} ({value['source']}): {value['speed']}; {value['cost']}{price}; "
-                f"batch {value['batch']}, {value['left']}{ties}")
+        basis = f" (interval: {value['basis']})" if value.get("basis") else ""
+        passed = f"; {value['passed']}" if value.get("passed") else ""
+        return (f"{value['gpu']} · {value['stack']} ({value['source']}): {value['speed']}{basis}; {value['cost']}"
+                f"{price}; batch {value['batch']}, {value['left']}{ties}{passed}")
 
     def model(a) -> str:
         unpriced = f" (also fits, no price: {', '.join(a['unpriced'])})" if a.get("unpriced") else ""

@@ -89,6 +89,7 @@ def test_frozen_layers_stored_in_autocasts_dtype_compute_the_same():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         before = run.workload.forward(run.model, batch)
     assert store_frozen_in(run.model, torch.bfloat16) == 8
+    assert store_frozen_in(run.model, torch.bfloat16) == 0  # already stored: a second call converts nothing
     assert all(p.dtype == torch.bfloat16 for n, p in run.model.named_parameters() if "base_layer" in n)
     assert all(p.dtype == torch.float32 for p in run.model.parameters() if p.requires_grad)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

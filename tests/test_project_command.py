@@ -148,7 +148,7 @@ def test_max_batch_of_an_unsupported_stack_is_an_unsupported_row_without_a_searc
     out, err = capsys.readouterr()
     record = json.loads(out)
     assert record["status"] == "unsupported" and record["batch_size"] == 8  # the size's own batch
-    assert err.count("\n") == 1 and err.startswith("headroom: error: amp-bf16 is unsupported here: ")
+    assert err.count("\n") == 1 and err.startswith("headroom: error: unsupported here: ")
 
 
 def test_several_gpus_end_with_a_side_by_side_summary_fastest_first(capsys):

@@ -94,11 +94,11 @@ def test_a_pick_among_many_within_its_range_says_there_is_no_clear_winner_and_wh
                  interval_basis="step time: 12 cells (gpt bf16-mixed on hopper); peak reserved: 14 cells (gpt)")
             for i, t in enumerate(["amp-bf16", "checkpointing", "baseline", "amp-fp16", "grad-accumulation", "lora"])]
     fastest = answers(cost_rows(records_frame(rows), PRICES), CAPACITIES)[0]["picks"]["fastest"]
-    assert fastest["ties"] == "5 others within its range: no clear winner at this error bar (measured twins narrow it)"
+    assert fastest["ties"] == "5 others too close to call: no clear winner at this error bar (measured twins narrow it)"
     assert fastest["speed"].endswith(", projection interval)")
     assert fastest["basis"] == "12 cells (gpt bf16-mixed on hopper)"
     few = answers(cost_rows(records_frame(rows[:2]), PRICES), CAPACITIES)[0]["picks"]["fastest"]
-    assert few["ties"] == "1 other within its range"
+    assert few["ties"] == "1 other too close to call"
     measured = [dict(row, source="measured", step_time_cv=0.5) for row in rows]
     noisy = answers(cost_rows(records_frame(measured), PRICES), CAPACITIES)[0]["picks"]["fastest"]
     assert noisy["ties"].endswith("(more repeats narrow it)")
@@ -113,11 +113,24 @@ def test_projections_sharing_one_fit_tie_only_within_its_held_out_ratio_error():
     frame = cost_rows(records_frame(rows), PRICES)
     shared = {"h100-sxm": "nvidia", "a10": "nvidia", "b200": "nvidia"}
     fastest = answers(frame, CAPACITIES, shared, 0.25)[0]["picks"]["fastest"]
-    assert fastest["gpu"] == "b200" and fastest["ties"] == "1 other within its range"  # the h100, not the a10
-    assert answers(frame, CAPACITIES)[0]["picks"]["fastest"]["ties"] == "2 others within its range"  # overlap alone
+    assert fastest["gpu"] == "b200" and fastest["ties"] == "1 other too close to call"  # the h100, not the a10
+    assert answers(frame, CAPACITIES)[0]["picks"]["fastest"]["ties"] == "2 others too close to call"  # overlap alone
     # A GPU costed by other constants (another vendor's, or priors) is judged by its range, as before.
     apart = answers(frame, CAPACITIES, {"h100-sxm": "nvidia", "b200": "nvidia"}, 0.25)[0]["picks"]["fastest"]
-    assert apart["ties"] == "2 others within its range"
+    assert apart["ties"] == "2 others too close to call"
+    # Two stacks on one GPU are not a GPU-to-GPU ratio: judged by their ranges.
+    stacks = [_row(gpu="h100-sxm", technique=t, throughput_samples_s=v, **wide)
+              for t, v in (("amp-bf16", 200.0), ("baseline", 100.0))]
+    same = answers(cost_rows(records_frame(stacks), PRICES), CAPACITIES, shared, 0.25)[0]["picks"]["fastest"]
+    assert same["ties"] == "1 other too close to call"
+
+
+def test_the_ratio_rule_covers_the_generations_the_ratio_check_measured():
+    from reports.build import fitted_keys
+
+    keys = fitted_keys(PROFILES, ["a100-sxm4-80gb", "h100-sxm"])  # Ampere and Hopper
+    assert keys["a10"] == keys["h200"] == "nvidia"
+    assert "t4" not in keys and "b200" not in keys and "mi300x" not in keys  # Turing, Blackwell; AMD is not fitted
 
 
 def test_what_an_interval_rests_on_is_told_once_under_the_table_not_in_every_pick():
@@ -142,6 +155,16 @@ def test_a_size_keeps_its_colour_from_one_cost_chart_to_the_next():
     train, infer = cost_charts(cost_rows(records_frame(rows), PRICES), CAPACITIES)
     # tab10's second colour for the second-smallest model, in the chart without the smallest too.
     assert "#ff7f0e" in train["svg"] and "#ff7f0e" in infer["svg"] and "#1f77b4" not in infer["svg"]
+
+
+def test_the_markdown_answer_says_what_its_intervals_rest_on_as_the_page_does():
+    from reports.markdown import answer_markdown
+
+    basis = "step time: 12 cells (gpt bf16-mixed on hopper)"
+    row = _row(gpu="a10", throughput_samples_s=10.0, step_time_ms_p50=100.0, step_time_ms_low=80.0,
+               step_time_ms_high=120.0, interval_basis=basis)
+    text = "\n".join(answer_markdown(records_frame([row]), PROFILES, PRICES))
+    assert "projection interval) (interval: 12 cells (gpt bf16-mixed on hopper))" in text
 
 
 def test_a_price_over_a_year_old_is_flagged_in_its_pick():
@@ -475,6 +498,9 @@ def test_c16_rules_out_80_percent_only_where_enough_cells_do():
     untried = [row for row in rows if row["technique"] != "amp-bf16"]
     c16 = _claims(*untried)["C16"]
     assert c16["verdict"] == "not measurable here" and "add one of them to --technique" in c16["found"]
+    # Nor where it was asked for but could not run (no bf16 on a T4): unsupported is not "tried and short".
+    refused = [dict(row, status="unsupported", fits=None) if row["technique"] == "amp-bf16" else row for row in rows]
+    assert _claims(*refused)["C16"]["verdict"] == "not measurable here"
 
 
 def test_the_pareto_chart_draws_each_stacks_range(monkeypatch):

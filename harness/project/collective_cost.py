@@ -44,7 +44,8 @@ NETWORK_STEPS = {"all_reduce": lambda k: 2 * (k - 1), "all_gather": lambda k: k 
 # base + 2 ((ranks per node - 1) intra + log2(nodes) inter); Tree's own per-step latencies below, RCCL's on AMD).
 # Each rank sends the whole buffer up and receives it down: twice the buffer, at 0.92 of the link, LL at
 # 1 / 3.8 of that and LL128 at 7/9 inside one node, 120/128 across nodes; and NCCL's own correction for medium
-# sizes (treeCorrectionFactor, per power of two from 64 B) slows it further.
+# sizes (treeCorrectionFactor, per power of two from 64 B) slows it further; RCCL's own per-architecture correction
+# tables are not copied: NCCL's stands in for them, as its network latencies and bandwidth shares do.
 TREE_PROTOCOLS = {
     "nccl": {"LL": {"base": 6.8, "nvlink": 0.6, "pci": 1.0, "network": 5.0},
              "LL128": {"base": 14.0, "nvlink": 1.25, "pci": 1.9, "network": 8.5},
@@ -103,7 +104,9 @@ def ring_latency_s(profile, ranks: int, collective: str, protocol: str = "LL", s
     if nodes > 1:
         intra = max(intra, NETWORK_OVERHEAD_US[protocol])
     latency = figures["base"] + (steps - network) * intra + network * inter
-    if nodes > 1 and collective == "all_reduce" and protocol == "Simple":
+    # NCCL applies it where a rank's share of a channel is at least 64 bytes: any message Simple is chosen for.
+    # RCCL has no such factor.
+    if nodes > 1 and collective == "all_reduce" and protocol == "Simple" and _library(profile) == "nccl":
         latency *= RING_PLATEAU["pre-ampere" if profile.generation in PRE_AMPERE else "default"]
     return latency * 1e-6
 

@@ -239,8 +239,12 @@ def _projected_row(cell: ResolvedCell, search_batch: bool, search_context: bool 
     if search_batch and record.status == "ok":
         notes.append(_margin_note(record, cell.profile.per_device().capacity_bytes))
     elif search_batch and record.status == "oom":
-        # The row shown is the smallest batch the search tried: that it does not fit answers the question.
-        record.reason = f"no batch fits: even batch {cell.batch_size} {record.reason}"
+        # A single-device row shown is the smallest batch the search tried: that it does not fit answers the
+        # question. A parallel training search starts at a batch every rank and micro-batch splits, and shows the
+        # size's own batch when none fits.
+        parallel_training = cell.stack.parallel and cell.mode != "infer"
+        record.reason = (f"no batch the search tried fits; at batch {cell.batch_size} it {record.reason}"
+                         if parallel_training else f"no batch fits: even batch {cell.batch_size} {record.reason}")
     if search_context and record.status == "ok" and not any(n.startswith("--max-context: the model's") for n in notes):
         notes.append(_margin_note(record, cell.profile.per_device().capacity_bytes, context=True))
     record.notes = "; ".join(filter(None, [record.notes, *notes]))

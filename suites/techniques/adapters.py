@@ -125,7 +125,7 @@ def _inject(run: Run, technique: str, layers: list[str], rank: int, alpha: float
 
 
 def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
-    """Store the weights of frozen Linear and Conv2d layers in autocast's `dtype`; returns how many.
+    """Store the weights of frozen Linear and Conv2d layers in autocast's `dtype`; returns how many it converted.
 
     Autocast casts these layers' weights to `dtype` for every matmul anyway, so the numerics do not
     change; a weight that is never updated needs no fp32 master copy (adapter recipes load the base in
@@ -144,11 +144,13 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
         tensors = [t for t in (module.weight, module.bias) if t is not None]
         if any(t.requires_grad or seen[id(t)] > 1 or is_traceable_wrapper_subclass(t) for t in tensors):
             continue
+        converted = False
         for name in ("weight", "bias"):
             tensor = getattr(module, name)
             if tensor is not None and tensor.dtype != dtype and tensor.is_floating_point():
                 setattr(module, name, nn.Parameter(tensor.detach().to(dtype), requires_grad=False))
-        stored += 1
+                converted = True
+        stored += converted  # a layer already in `dtype` (a second call) is not counted again
     return stored
 
 
