@@ -447,5 +447,5 @@ def test_the_answer_says_how_far_apart_two_projected_gpus_must_be_to_rank_them()
     assert check["training_fit_digest"] == training_fit_digest(), (
         "the speed fit changed since the ratio check: run benchmarks/cross_gpu_ratios.py --write")
     html = render([_frame([_record(cell_id="a", source="projected", gpu="h100-sxm")])])
-    assert (f"tie only where they differ by less than the projection's worst error on how much faster one GPU is "
+    assert (f"tie only if they differ by less than the projection's worst error on how much faster one GPU is "
             f"than another, {check['worst_abs_error'] * 100:.0f}% on {check['n']} held-out ratios") in html
