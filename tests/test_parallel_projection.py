@@ -427,3 +427,12 @@ def test_fsdp_under_a_pipeline_says_it_regathers_per_micro_batch_and_fsdp_zero2_
     assert "again for each" not in rows["fsdp-zero2"].notes
     # The note's advice holds in the projection itself: fewer bytes sent per step.
     assert rows["fsdp-zero2"].comm_bytes_per_step < rows["fsdp"].comm_bytes_per_step
+
+
+def test_zero1_broadcasts_only_what_its_optimizer_steps():
+    # Under LoRA the optimizer steps the adapters alone: ZeRO-1's broadcast is theirs, as the measured cell counts
+    # it (suites/techniques/parallel.py), not the frozen base's half a gigabyte.
+    outcome = _projected("zero1+lora", 2, size="gpt2-124m", batch=8)
+    assert outcome.status == "ok", outcome.reason
+    grads = outcome.memory.grads
+    assert outcome.comm_bytes_per_step == pytest.approx(3 * 0.5 * grads, rel=0.01)  # all-reduce 2 (d-1)/d, + (d-1)/d

@@ -340,8 +340,10 @@ def project_parallel(cell: ResolvedCell) -> Outcome:
     # FSDP2 gathers and scatters for every forward/backward pass: a pipeline's micro-batches, or the
     # passes grad-accumulation makes (DDP syncs once per step: Step runs the others under no_sync).
     passes = layout.micro_batches * trace.micro_batches
-    sent = collective_bytes(technique, layout.dp, memory.params, reduced_grads, passes, root,
-                            pipelined=layout.pp > 1)
+    # ZeRO-1 broadcasts only the parameters its optimizer steps (suites/techniques/parallel.py counts them so), and
+    # a trained parameter's bytes are its gradient's: under adapters, theirs, not the frozen base's.
+    stepped = min(memory.params, reduced_grads) if technique == "zero1" else memory.params
+    sent = collective_bytes(technique, layout.dp, stepped, reduced_grads, passes, root, pipelined=layout.pp > 1)
     units = len(local.workload.blocks(model)) if gathers else 0
     collectives = data_parallel_collectives(technique, reduced_grads, units, _trained_tensors(model, False), passes,
                                             pipelined=layout.pp > 1)
