@@ -55,7 +55,8 @@ def _name(text: str, what: str = "") -> str:
 
 def _names(text: str) -> str:
     """One id, or several separated by commas (project's GPUs): only empty is refused."""
-    return _name(text) if "," not in text else _name(text.replace(",", "")) and text.strip()
+    _name(text.replace(",", " "))  # refuses an empty list; commas are the list's separators here
+    return text.strip()
 
 
 def _stack(text: str) -> str:
