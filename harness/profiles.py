@@ -56,9 +56,10 @@ _SOURCED = ("memory_gib", "visible_memory_mib", "memory_bandwidth_gb_s", "tdp_w"
             "compute_capability",
             "peak_tflops", "sparse_tflops", "achievable_tflops", "achievable_bandwidth_gb_s", "interconnect")
 # node_gpus: GPUs one server (node) holds, linked by gpu_link; node_network_gb_s: the node's network to
-# other nodes, one direction, all its NICs together (what GPUs in different nodes share).
+# other nodes, one direction, all its NICs together (what GPUs in different nodes share); gpu_links: where the
+# GPUs of a node are a full mesh of direct links (AMD Infinity Fabric), each GPU's links, gpu_link_gb_s their sum.
 _INTERCONNECT = {"gpu_link": str, "gpu_link_gb_s": (int, float), "host_link": str, "host_link_gb_s": (int, float),
-                 "node_gpus": int, "node_network_gb_s": (int, float)}
+                 "node_gpus": int, "node_network_gb_s": (int, float), "gpu_links": int}
 
 
 def _fail(path: Path, field_name: str, expected: str) -> ProfileError:

@@ -37,12 +37,27 @@ def test_a_decode_steps_kilobytes_go_by_ll_and_a_training_steps_megabytes_by_ll1
     assert ring_collective_s(l4, 4, "all_reduce", 32e6, pcie) == pytest.approx((8.4 + 6 * 5.7) * 1e-6 + 32e6 / pcie)
 
 
-def test_amd_rings_take_rccls_latencies():
+def test_amd_rings_take_rccls_latencies_over_infinity_fabric():
+    # RCCL's per-step latencies over xGMI (its NVLink link type): LL 0.8 us, Simple 3.6 us.
     mi300x = PROFILES["mi300x"].per_device()
     link, _ = link_bytes_s(mi300x, 2)
     assert ring_collective_s(mi300x, 2, "all_reduce", 8e3, link) == pytest.approx(
-        (12.0 + 2 * 2.2) * 1e-6 + 8e3 / (link / 2))
-    assert ring_collective_s(mi300x, 2, "all_reduce", 1e9, link) == pytest.approx((17.0 + 2 * 5.7) * 1e-6 + 1e9 / link)
+        (12.0 + 2 * 0.8) * 1e-6 + 8e3 / (link / 2))
+    assert ring_collective_s(mi300x, 2, "all_reduce", 1e9, link) == pytest.approx((17.0 + 2 * 3.6) * 1e-6 + 1e9 / link)
+
+
+def test_a_full_mesh_gives_a_collective_one_link_per_other_member_and_a_send_one_link():
+    # MI300X: 7 Infinity Fabric links of 128 GB/s both ways, one to each other GPU of the node.
+    mi300x = PROFILES["mi300x"].per_device()
+    assert link_bytes_s(mi300x, 2)[0] == pytest.approx(64e9)
+    assert link_bytes_s(mi300x, 4)[0] == pytest.approx(3 * 64e9)
+    assert link_bytes_s(mi300x, 8)[0] == pytest.approx(7 * 64e9)
+    # A pipeline stage's send to the next uses the one link between them, however wide the span.
+    assert link_bytes_s(mi300x, 8, point_to_point=True)[0] == pytest.approx(64e9)
+    # A data-parallel group strided 2 apart (2-way tensor parallelism) has 4 members in the node: 3 links.
+    assert link_bytes_s(mi300x, 8, ring_stride=2)[0] == pytest.approx(3 * 64e9)
+    # An NVSwitch node gives every group the whole NVLink, whatever its size.
+    assert link_bytes_s(H100, 2)[0] == link_bytes_s(H100, 8)[0] == link_bytes_s(H100, 8, point_to_point=True)[0]
 
 
 def test_a_ring_across_two_nodes_pays_the_networks_latency_on_the_steps_that_leave_a_node():
@@ -56,12 +71,12 @@ def test_a_ring_across_two_nodes_pays_the_networks_latency_on_the_steps_that_lea
 
 
 @pytest.mark.parametrize("gpu,ranks,link", [("h100-sxm", 8, "nvlink"), ("h100-pcie", 2, "nvlink"),
-                                            ("h100-pcie", 4, "pci"), ("l4", 2, "pci"), ("mi300x", 8, "pci")])
+                                            ("h100-pcie", 4, "pci"), ("l4", 2, "pci"), ("mi300x", 8, "nvlink")])
 def test_the_latency_and_the_bandwidth_of_a_group_come_from_one_classing_of_its_link(gpu, ranks, link):
     profile = PROFILES[gpu].per_device()
     assert intra_node_link(profile, ranks) == link
     described = link_bytes_s(profile, ranks)[1]
-    assert ("NVLink" in described) == (link == "nvlink")
+    assert ("NVLink" in described or "Infinity Fabric" in described) == (link == "nvlink")
 
 
 def test_a_tensor_parallel_micro_batch_runs_two_collectives_per_sharded_module_and_the_vocabularys():

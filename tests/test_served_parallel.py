@@ -33,7 +33,7 @@ def _served(size: str, gpu: str, ranks: int, technique: str = "bf16-weights+comp
     ("h100-pcie", 2, "all_reduce", 6.6 + 0.6 * 2),  # an NVLink bridge joins a pair ...
     ("h100-pcie", 4, "all_reduce", 6.6 + 1.0 * 6),  # ... a group of four crosses PCIe
     ("l4", 2, "all_reduce", 6.6 + 1.0 * 2),
-    ("mi300x", 2, "all_reduce", 12.0 + 2.2 * 2),  # RCCL's own figures, over PCIe as its bandwidth is
+    ("mi300x", 2, "all_reduce", 12.0 + 0.8 * 2),  # RCCL's own figures, over Infinity Fabric (xGMI)
     ("h100-sxm", 1, "all_reduce", 0.0),
 ])
 def test_a_ring_collective_costs_what_nccls_latency_model_says(gpu, ranks, collective, expected_us):

@@ -28,22 +28,49 @@ def node_gpus(profile) -> int:
 
 def intra_node_link(profile, ranks: int) -> str:
     """The link a group of `ranks` consecutive GPUs uses inside a node, as NCCL classes it: `nvlink` where
-    every member reaches the next over NVLink (an NVSwitch joins a node's GPUs, a bridge joins a pair), else
-    `pci` (through the host). AMD's Infinity Fabric is classed `pci` too, a pessimistic choice: RCCL runs it as
-    NVLink is run, but how much of an MI300X's 896 GB/s (seven links together) one ring reaches is not known here."""
+    every member reaches the next over NVLink (an NVSwitch joins a node's GPUs, a bridge joins a pair) or over
+    a full mesh of AMD Infinity Fabric links (RCCL files xGMI under NCCL's NVLink link type: ROCm/rccl
+    src/graph/topo.cc prints LINK_NVL as "XGMI" on AMD builds), else `pci` (through the host)."""
     links = profile.interconnect or {}
     gpu_link = links.get("gpu_link", "")
-    if not links.get("gpu_link_gb_s") or not gpu_link.startswith("NVLink"):
+    if not links.get("gpu_link_gb_s"):
+        return "pci"
+    if _mesh_links(profile):
+        return "nvlink"
+    if not gpu_link.startswith("NVLink"):
         return "pci"
     if "bridge" in gpu_link:
         return "nvlink" if min(ranks, node_gpus(profile)) <= 2 else "pci"
     return "nvlink"
 
 
-def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[float | None, str]:
+def _mesh_links(profile) -> int:
+    """Each GPU's direct links where a node's GPUs are a full mesh (interconnect.gpu_links), else 0."""
+    links = profile.interconnect or {}
+    if not links.get("gpu_link_gb_s"):
+        return 0
+    return links.get("gpu_links") or 0
+
+
+def _mesh_rate(profile, members: int, point_to_point: bool) -> tuple[float, str]:
+    """One direction of what a GPU of a full mesh reaches talking to `members` - 1 others of its node: one
+    direct link for a point-to-point send, and for a collective every link to the group's other members, as
+    RCCL lays its rings (one per channel) over different links of the mesh. An MI300X's link is rated 64 GB/s a
+    direction, of which about 48 (75%) is usable: CRC and protocol overhead (AMD, "Understanding RCCL Bandwidth
+    and xGMI Performance on AMD Instinct MI300X", 2025); the datasheet rate is kept, as for NVLink."""
+    links = profile.interconnect
+    per_link = links["gpu_link_gb_s"] * 1e9 / links["gpu_links"] / 2
+    used = 1 if point_to_point else max(1, min(members - 1, links["gpu_links"]))
+    return used * per_link, (f"{links['gpu_link']}: {used} of its {links['gpu_links']} links "
+                             f"({per_link * 2 / 1e9:g} GB/s both ways each)")
+
+
+def link_bytes_s(profile, ranks: int, ring_stride: int | None = None,
+                 point_to_point: bool = False) -> tuple[float | None, str]:
     """One direction of the slowest link a group spanning `ranks` consecutive GPUs crosses, and which link
-    that is: inside a node NVLink (its datasheet figure is both directions) or, without one, the host link;
-    between nodes a GPU's share of the node's network (one NIC per GPU, as DGX/HGX nodes have).
+    that is: inside a node NVLink (its datasheet figure is both directions), the links of a full mesh the
+    group's members share (`point_to_point`: a send between two of them uses one), or, without either, the host
+    link; between nodes a GPU's share of the node's network (one NIC per GPU, as DGX/HGX nodes have).
 
     `ring_stride`: the group runs ring collectives (NCCL all-reduce, all-gather, reduce-scatter) over
     members `ring_stride` GPUs apart (a data-parallel group under t-way tensor parallelism: t). NCCL runs one
@@ -61,7 +88,10 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
     links = profile.interconnect or {}
     node = node_gpus(profile)
     nvlink, gpu_link = links.get("gpu_link_gb_s"), links.get("gpu_link", "")
-    switched = intra_node_link(profile, node) == "nvlink" and "bridge" not in gpu_link  # every GPU of a node
+    mesh = _mesh_links(profile)
+    switched = intra_node_link(profile, node) == "nvlink" and "bridge" not in gpu_link and not mesh
+    # The group's members inside one node (a strided group's are node / stride of them).
+    members = min(ranks, node) if ring_stride is None else max(1, min(ranks, node) // ring_stride)
     if ranks > node:
         network = links.get("node_network_gb_s")
         if not network:
@@ -72,8 +102,12 @@ def link_bytes_s(profile, ranks: int, ring_stride: int | None = None) -> tuple[f
         rate = network * 1e9 / node * nics
         if switched:
             rate = min(rate, nvlink * 1e9 / 2)  # the ring's hops inside a node run on NVLink
+        elif mesh:
+            rate = min(rate, _mesh_rate(profile, members, point_to_point)[0])
         return rate, (f"{network:g} GB/s node network, the rings through {nics} of its {node} NICs "
                       f"({rate / 1e9:,.0f} GB/s)")
+    if mesh:
+        return _mesh_rate(profile, members, point_to_point)
     if switched:
         return nvlink * 1e9 / 2, f"{gpu_link} ({nvlink:g} GB/s both ways)"
     if intra_node_link(profile, ranks) == "nvlink":

@@ -69,7 +69,7 @@ def parallel_step(cell: ResolvedCell, layout: Layout, projection, sent: dict[str
              # A tensor-parallel group past a node keeps a GPU's own share of the network, not its NICs together.
              "tensor": link_bytes_s(profile, layout.tp),
              "expert": link_bytes_s(profile, layout.tp * layout.ep),
-             "pipeline": link_bytes_s(profile, 2 * layout.tp * layout.dp)}
+             "pipeline": link_bytes_s(profile, 2 * layout.tp * layout.dp, point_to_point=True)}
     needed = {"data": bool(sent), **{kind: bool(size) for kind, size in per_micro.items()}}
     host_link = host_link_bytes_s(profile)
     if layout.data_technique == "cpu-offload" and host_link is None:
