@@ -458,3 +458,21 @@ def test_techniques_apply_on_fake_tensors_for_projection(technique, mode):
     assert out.shape == (() if mode == "train" else (2, spec.seq_len, spec.config["vocab_size"]))
     if technique != "qat-int8":
         assert {b.dtype for b in run.model.buffers()} & {torch.int8, torch.uint8}
+
+
+def test_a_projection_shares_a_trace_only_between_gpus_whose_int4_layers_agree():
+    # An AMD GPU has no tinygemm, an A100 has: an int4 cell projected on one after the other must not reuse the
+    # first's trace (it did, so a serving matrix's figures changed with the order of its GPUs).
+    if not _torchao_available():
+        pytest.skip(f"torchao is not usable here: {G._torchao()[1]}")
+    from harness.cell import Cell
+    from harness.project.trace import traced
+
+    def trace_on(gpu: str, stack: str):
+        return traced(Cell("gpt", "smoke", "infer", stack, gpu, 1, "projected").resolve(PROFILES))
+
+    int4 = "bf16-weights+group-quant-int4"
+    assert trace_on("mi300x", int4) is not trace_on("a100-sxm4-80gb", int4)
+    assert trace_on("h100-sxm", int4) is trace_on("a100-sxm4-80gb", int4)  # both run tinygemm
+    # A stack without such a technique traces once for every GPU.
+    assert trace_on("mi300x", "bf16-weights") is trace_on("a100-sxm4-80gb", "bf16-weights")

@@ -407,10 +407,13 @@ def _blocks_backward_marked(run: Run, tracker: _RecordingMemTracker):
             handle.remove()
 
 
-def _trace_key(profile) -> tuple:
+def _trace_key(profile, stack) -> tuple:
     """Profiles that trace identically share one trace: the rounding and attention path differ only
-    between the host CPU and GPUs."""
-    return ("cpu",) if profile.vendor == "cpu" else ("gpu",)
+    between the host CPU and GPUs, and a technique whose layers depend on the GPU (its `trace_key`) splits
+    GPUs further, for the stacks that hold it only."""
+    if profile.vendor == "cpu":
+        return ("cpu",)
+    return ("gpu", *(t.trace_key(profile) for t in stack.techniques if t.trace_key is not None))
 
 
 _TRACES: dict[tuple, StepTrace] = {}
@@ -422,7 +425,7 @@ def traced(cell: ResolvedCell, profile=None) -> StepTrace:
     profile = profile or cell.profile
     workload, spec = cell.workload, cell.spec
     key = (workload.name, spec.name, tuple(sorted(spec.config.items())), spec.seq_len, spec.image_size,
-           spec.gen_len, cell.stack.name, cell.mode, cell.batch_size, _trace_key(profile))
+           spec.gen_len, cell.stack.name, cell.mode, cell.batch_size, _trace_key(profile, cell.stack))
     if key not in _TRACES and cell.mode == "infer" and spec.gen_len is not None and workload.serving is not None:
         from harness.project.generation_trace import trace_generation  # it builds on this module
 

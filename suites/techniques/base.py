@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -176,6 +176,9 @@ class Technique:
             (`sequence-parallel` shards what `tensor-parallel` leaves whole).
         declare: run before any technique of the stack applies, to set what those applied earlier must know
             (`pipeline-parallel`'s stage count, which tensor parallelism's device mesh is cut by).
+        trace_key: profile -> what of a GPU profile changes the model it builds for a trace beyond the host-or-GPU
+            split (int4's tinygemm layers from compute capability 8.0, 2:4's sparse kernels): projections share
+            one trace between GPUs only where it agrees. None where the trace is the same on every GPU.
     """
 
     id: str
@@ -192,6 +195,7 @@ class Technique:
     configure: Callable[[dict[str, str]], Technique] | None = None
     requires: str | None = None
     declare: Callable[[Run], None] | None = None
+    trace_key: Callable[[object], Hashable] | None = None
 
     def __post_init__(self) -> None:
         if self.fine_tune and not self.post_training:

@@ -229,14 +229,18 @@ def _torchao_layer(module: nn.Linear, bits: int, group: int, device: torch.devic
     return wrapped
 
 
+def _tinygemm_device(profile) -> bool:
+    """Whether `profile`'s GPU runs torchao's int4 tinygemm: an NVIDIA GPU of compute capability 8.0 or newer."""
+    capability = profile.cc_tuple
+    return profile.vendor == "nvidia" and capability is not None and capability >= (8, 0)
+
+
 def _tinygemm_target(run: Run, module: nn.Linear) -> bool:
-    """Whether the cell's GPU would run `module` through torchao's int4 tinygemm (_torchao_layer): an NVIDIA
-    GPU of compute capability 8.0 or newer, a layer it takes unpadded, torchao importable. (A torchao too old
-    for the tile-packed config would fall back to the hand-written layer when run: not foreseen here.)"""
-    capability = run.profile.cc_tuple
-    return (run.profile.vendor == "nvidia" and capability is not None and capability >= (8, 0)
-            and _torchao()[0] is not None and module.in_features % TINYGEMM_IN_MULTIPLE == 0
-            and module.out_features % TINYGEMM_OUT_MULTIPLE == 0)
+    """Whether the cell's GPU would run `module` through torchao's int4 tinygemm (_torchao_layer): a GPU that
+    has it, a layer it takes unpadded, torchao importable. (A torchao too old for the tile-packed config would
+    fall back to the hand-written layer when run: not foreseen here.)"""
+    return (_tinygemm_device(run.profile) and _torchao()[0] is not None
+            and module.in_features % TINYGEMM_IN_MULTIPLE == 0 and module.out_features % TINYGEMM_OUT_MULTIPLE == 0)
 
 
 class TinygemmStandIn(GroupQuantLinear):
@@ -372,6 +376,6 @@ GROUP_QUANT_INT4 = Technique(
     summary=f"weight-only int4 with one scale per {GROUP_SIZES[4]} inputs (torchao tinygemm on CUDA, "
             "else packed nibbles)",
     check=_check_group("group-quant-int4"), apply=_group_quant(4), exclusive="quantization",
-    post_training=True)
+    post_training=True, trace_key=_tinygemm_device)
 
 TECHNIQUES = (GROUP_QUANT, GROUP_QUANT_INT4)

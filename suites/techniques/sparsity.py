@@ -248,7 +248,7 @@ SPARSITY_2TO4 = Technique(
     id="sparsity-2to4", phase=Phase.COMPRESS, changes_numerics=True, guide="T10",
     summary="2:4 semi-structured magnitude pruning of block Linear weights (sparse kernels for inference)",
     check=_check_2to4, apply=_apply_2to4, exclusive="weight-sparsity",
-    post_training=True, fine_tune=True)
+    post_training=True, fine_tune=True, trace_key=_sparse_kernels)
 
 
 # --- unstructured magnitude pruning (T11) -----------------------------------------------------------
