@@ -84,14 +84,16 @@ def _largest_free(allocator) -> int:
 def replay_fragmentation(events, setting: str, capacity: int | None, scenario: str) -> FragmentationResult:
     """The log under the allocator model of `setting` on a device with `capacity` bytes for the allocator."""
     if setting == "cudaMallocAsync":
-        # The driver's pool: the model knows only its floor (the live bytes), so no fragmentation to show.
+        # The driver's pool: the model knows only its floor (the live bytes), so no fragmentation to show. Like
+        # the other settings it stops at the first request past the capacity: what it holds then is the peak.
         live, sizes, peak = 0, {}, 0
         for kind, key, size in events:
+            if kind == "alloc" and capacity is not None and live + size > capacity:
+                return FragmentationResult(scenario, setting, "projected", peak, peak, None, None, oom=True)
             live += size if kind == "alloc" else -sizes.pop(key, 0)
             sizes[key] = size if kind == "alloc" else sizes.get(key, 0)
             peak = max(peak, live)
-        return FragmentationResult(scenario, setting, "projected", peak, peak, None, None,
-                                   oom=capacity is not None and peak > capacity)
+        return FragmentationResult(scenario, setting, "projected", peak, peak, None, None)
     allocator = NativeAllocator(capacity) if setting == "native" else ExpandableSegmentsAllocator(capacity)
     retries = _counting(allocator)
     peak_reserved = at_peak = held = 0
@@ -271,7 +273,13 @@ def _run_child(code: str, argv: list[str], setting: str, timeout_s: float) -> di
 
 def judge_c4(results: list[FragmentationResult]) -> str:
     """C4 (30-50% of memory lost to fragmentation) against the probe's native-allocator rows."""
-    native = [r for r in results if r.allocator == "native" and not r.oom and r.peak_reserved_bytes]
+    # A scenario that ran out of memory stopped before its peak: what it held then says nothing of C4, and the
+    # guide's scenario alone (no waste at its peak by construction) would judge the claim on nothing real.
+    failed = [r.scenario for r in results if r.allocator == "native" and r.oom]
+    if failed:
+        return (f"not measurable here: {failed[0]} ran out of memory before its peak; a smaller --batch-size or "
+                "--size lets it finish")
+    native = [r for r in results if r.allocator == "native" and r.peak_reserved_bytes]
     if not native:
         return "not measurable here: no native-allocator row ran"
     worst = max(native, key=lambda r: r.waste)

@@ -3,6 +3,7 @@ loop through the allocator model under each setting, C4's verdict, the command a
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pandas as pd
@@ -124,6 +125,18 @@ def test_c4_verdicts():
     assert judge_c4([_result("native", 0.1)]).startswith("contradicted: at most 10%")
     assert judge_c4([_result("native", 0.7)]).startswith("exceeded: 70%")
     assert judge_c4([_result("expandable_segments", 0.1)]).startswith("not measurable here")
+    # A loop that ran out of memory stopped short of its peak: no verdict from it, nor from the guide's row alone.
+    stopped = dataclasses.replace(_result("native", 0.08), oom=True)
+    verdict = judge_c4([_result("native", 0.0, scenario="guide"), stopped])
+    assert verdict.startswith("not measurable here: loop ran out of memory"), verdict
+
+
+def test_every_setting_stops_at_the_first_request_past_the_capacity():
+    # The driver's pool (cudaMallocAsync) too: what it holds never exceeds the device.
+    events = [("alloc", i, GiB) for i in range(10)]
+    for setting in ("native", "expandable_segments", "cudaMallocAsync"):
+        result = replay_fragmentation(events, setting, 4 * GiB, "s")
+        assert result.oom and result.peak_reserved_bytes <= 4 * GiB, setting
 
 
 def test_measuring_needs_cuda():
