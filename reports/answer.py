@@ -302,11 +302,21 @@ def cost_charts(frame: pd.DataFrame, capacities: dict[str, int]) -> list[dict]:
     return charts
 
 
+def _stream(row, column: str, rate) -> str:
+    """What the fastest stream's pick says of its speed: generated tokens a second with the prefill, and the
+    decode's own rate beside it, or the decode's alone from an older matrix."""
+    if column == "decode_tokens_s_b1":
+        return f"{rate(row, column)} tokens/s for one stream (decode)"
+    return (f"{rate(row, column)} tokens/s for one stream, its prompt's prefill included "
+            f"(decode {rate(row, 'decode_tokens_s_b1')})")
+
+
 def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
     """Per served size (harness/serve_matrix.py: its decode, compiled or eager, at its first context): the best value
-    (fewest USD per million generated tokens at the largest batch that fits), the fastest single-stream
-    decode, and the cheapest GPU-hour that holds the model, each with its weights' precision. The
-    matrix's costs are taken again at `prices` (its rows say which hourly price they were costed at)."""
+    (fewest USD per million generated tokens at the largest batch that fits), the fastest single stream (its
+    generated tokens a second, prefill included), and the cheapest GPU-hour that holds the model, each with its
+    weights' precision. The matrix's costs are taken again at `prices` (its rows say which hourly price they were
+    costed at)."""
     if matrix is None or matrix.empty:
         return []
     batch = next((c for c in matrix.columns if c.startswith("max_batch_")), None)
@@ -344,13 +354,16 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
             return ranged(row, column, lambda v: fmt.number(v, 0))
 
         value = _pick(fitting.assign(throughput_samples_s=fitting["decode_tokens_s_max"]), "usd", True)
-        fastest = _pick(fitting.assign(throughput_samples_s=0.0), "decode_tokens_s_b1", False) \
-            if len(fitting) else None
+        # The fastest stream is the one whose whole answer comes soonest: its prompt's prefill and its decode
+        # together (int4's tinygemm decodes fastest but prefills slowest). A matrix from before
+        # generated_tokens_s_* has the decode alone.
+        stream = "generated_tokens_s_b1" if fitting.get("generated_tokens_s_b1", pd.Series()).notna().any() \
+            else "decode_tokens_s_b1"
+        fastest = _pick(fitting.assign(throughput_samples_s=0.0), stream, False) if len(fitting) else None
         cheapest = _pick(fitting.assign(throughput_samples_s=fitting["decode_tokens_s_max"]), "hourly", True)
         result.append({"size": str(size), "context": context, "decode": decode, "picks": {
             "cheapest": entry(cheapest, f"largest batch {int(cheapest[batch])}" if cheapest is not None else ""),
-            "fastest": entry(fastest, f"{rate(fastest, 'decode_tokens_s_b1')} tokens/s for one stream"
-                             if fastest is not None else ""),
+            "fastest": entry(fastest, _stream(fastest, stream, rate) if fastest is not None else ""),
             "value": entry(value, f"{rate(value, 'decode_tokens_s_max')} tokens/s at batch "
                            f"{int(value[batch])}" if value is not None else "")}})
     return result

@@ -30,11 +30,22 @@ def test_serving_picks_and_table_show_the_projections_range():
     matrix = _matrix().assign(speed_factor_low_b1=0.8, speed_factor_high_b1=1.25, speed_factor_low_max=0.8,
                               speed_factor_high_max=1.25)
     [answer] = serving_answers(matrix, PRICES)
-    assert answer["picks"]["fastest"]["what"] == "150 (120 - 188) tokens/s for one stream"
+    assert answer["picks"]["fastest"]["what"] == "150 (120 - 188) tokens/s for one stream (decode)"
     # A cost is dearest at the slowest speed: $0.37 / 0.8 and / 1.25.
     assert answer["picks"]["value"]["cost"] == "$0.37 ($0.30 - $0.46) / M tokens"
     table = matrix_section(matrix, None)
     assert "3,000 (2,400 - 3,750)" in [cell for row in table["rows"] for cell in row["cells"]]
+
+
+def test_the_fastest_stream_is_the_one_whose_generation_ends_first_prefill_included():
+    # int4 on the a10 decodes faster than bf16 on the h100 here, but its prefill is slow (tinygemm at a prompt's
+    # width): over the whole generation the h100 answers first, and is the pick.
+    matrix = _matrix().assign(generated_tokens_s_b1=[40.0, 120.0, 200.0])
+    matrix.loc[0, "decode_tokens_s_b1"] = 500.0
+    [answer] = serving_answers(matrix, PRICES)
+    fastest = answer["picks"]["fastest"]
+    assert fastest["gpu"] == "h100-sxm", fastest
+    assert fastest["what"] == "120 tokens/s for one stream, its prompt's prefill included (decode 150)"
 
 
 def test_a_context_past_every_sizes_own_is_not_a_column_of_dashes():
