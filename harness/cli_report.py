@@ -54,15 +54,16 @@ def cmd_report(args) -> int:
     repeated = len(merged) - len(unique)
     counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
     cut_short = tuple(frame.attrs["cut_short"] for frame in frames if frame.attrs.get("cut_short"))
-    if markdown:
-        from reports.markdown import results_markdown, write_text
-
-        write_text(results_markdown(unique, profiles, prices, cut_short), args.out)
-        print(f"wrote {printable(str(args.out))} (Markdown) from {len(unique)} rows{counted}")
-        return 0
     from harness.serve_matrix import merged_matrices
 
     matrix = merged_matrices(matrices)
+    if markdown:
+        from reports.markdown import results_markdown, write_text
+
+        write_text(results_markdown(unique, profiles, prices, cut_short, matrix), args.out)
+        print(f"wrote {printable(str(args.out))} (Markdown) from {len(unique)} rows{counted}"
+              + (" and a serving matrix" if matrix is not None and len(matrix) else ""))
+        return 0
     from reports.accuracy import FILE as ACCURACY_FILE
     from reports.fragmentation import FILE as FRAGMENTATION_FILE
     from reports.timelines import timeline_files

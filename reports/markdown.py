@@ -37,26 +37,32 @@ def table(headers: list[str], rows: list[list[str]], right_from: int = 1, limit:
     return "\n".join(lines)
 
 
+# What only the HTML report draws, said once at the end of the summary so its absence is not read as "none".
+HTML_ONLY = ("The HTML report (`--out report.html`) adds the guide's claims judged, the fit matrix, charts, OOM "
+             "advice, the serving table, accuracy and fragmentation.")
+
+
 def results_markdown(frame: pd.DataFrame, profiles: dict | None = None, prices: dict | None = None,
-                     warnings: tuple[str, ...] = ()) -> str:
+                     warnings: tuple[str, ...] = (), matrix: pd.DataFrame | None = None) -> str:
     """A short summary of a results frame: its runs, rows by source and status, the answer (which GPU and
-    stack per model, reports/answer.py), and per workload and mode the measured cells' median step time
-    and peak reserved memory; `warnings` (a run read while going or cut short) first."""
+    stack per model, reports/answer.py), the serving answer where a serving `matrix` is given, and per workload
+    and mode the measured cells' median step time and peak reserved memory; `warnings` (a run read while going
+    or cut short) first."""
     lines = ["## headroom results", ""] + [f"> **Warning:** {escape(warning)}." for warning in warnings]
     lines += [""] if warnings else []
     runs = sorted(frame["run_id"].dropna().unique()) if len(frame) else []
     lines += [f"{len(frame)} rows from {len(runs)} run{'' if len(runs) == 1 else 's'}"
               + (": " + ", ".join(escape(run) for run in runs) if runs else "") + ".", ""]
     if not len(frame):
-        return "\n".join(lines)
-    lines += answer_markdown(frame, profiles, prices)
+        return "\n".join(lines + serving_markdown(matrix, profiles, prices) + [HTML_ONLY])
+    lines += answer_markdown(frame, profiles, prices) + serving_markdown(matrix, profiles, prices)
     counts = frame.groupby(["source", "status"], sort=True).size()
     lines += [table(["source", "status", "rows"], [[str(source), str(status), str(count)]
                                                    for (source, status), count in counts.items()], right_from=2), ""]
     # The cell rows of measured cells (a parallel cell's per-rank rows repeat it: the cell row is the max).
     measured = frame[(frame["source"] == "measured") & frame["rank"].isna()]
     if measured.empty:
-        lines += ["No measured cells: every figure here is projected.", ""]
+        lines += ["No measured cells: every figure here is projected.", "", HTML_ONLY]
         return "\n".join(lines)
     headers = ["size", "technique", "GPU", "batch", "status", "step time p50", "peak memory (reserved)"]
     for (workload, mode), group in measured.groupby(["workload", "mode"], sort=True):
@@ -66,7 +72,33 @@ def results_markdown(frame: pd.DataFrame, profiles: dict | None = None, prices: 
                 for _, row in group.iterrows()]
         lines += [f"### {escape(workload)} · {escape(mode)} (measured cells only)", "",
                   table(headers, rows, right_from=5), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + [HTML_ONLY])
+
+
+def serving_markdown(matrix: pd.DataFrame | None, profiles: dict | None, prices: dict | None) -> list[str]:
+    """The serving answer (reports/answer.serving_answers) as a table: per served size the cheapest GPU-hour that
+    holds it, the fastest stream and the best value, at the report's prices."""
+    from harness.prices import price_table
+    from harness.profiles import load_profiles
+    from reports.answer import serving_answers
+
+    if matrix is None or not len(matrix):
+        return []
+    if prices is None:
+        prices = price_table(load_profiles() if profiles is None else profiles)
+    found = serving_answers(matrix, prices)
+
+    def pick(value) -> str:
+        if value is None:
+            return "fits no GPU profile"
+        price = f" ({value['price']})" if value["price"] else ""
+        return f"{value['gpu']} · {value['weights']} weights: {value['what']}; {value['cost']}{price}"
+
+    rows = [[a["size"], pick(a["picks"]["cheapest"]), pick(a["picks"]["fastest"]), pick(a["picks"]["value"])]
+            for a in found]
+    context = found[0]["context"] if found else ""
+    return [f"### Serving a decoder (projected, {found[0]['decode'] if found else ''} decode, {context} context)", "",
+            table(["size", "cheapest that holds it", "fastest stream", "best value"], rows, right_from=4), ""]
 
 
 def peak_memory(row) -> str:

@@ -176,6 +176,18 @@ def test_results_markdown_summarises_measured_cells():
     assert "| measured | ok | 2 |" in text and "| projected | oom | 1 |" in text
     assert "### gpt · train (measured cells only)" in text and "12.50 ms | 3.0 GiB |" in text
     assert "40.00 ms | 1.0 GiB allocated |" in text and "a100" not in text.split("### gpt")[1]
+    assert text.rstrip().endswith("accuracy and fragmentation.")  # what only the HTML report has, said
+
+
+def test_results_markdown_answers_from_a_serving_matrix_at_the_reports_prices():
+    from tests.test_report_decision import PRICES, _matrix
+
+    frame = _frame(_record(run_id="r-1", step_time_ms_p50=12.5))
+    assert "Serving a decoder" not in results_markdown(frame, prices=PRICES)
+    text = results_markdown(frame, prices=PRICES, matrix=_matrix())
+    serving = text.split("### Serving a decoder (projected, compiled decode, 4k context)")[1]
+    assert "| gpt-7b | a10 · int4 weights: largest batch 8" in serving
+    assert "h100-sxm · bf16 weights: 150 tokens/s for one stream (decode)" in serving
 
 
 def _write_run(folder, rows: list[dict]):
