@@ -83,7 +83,7 @@ def cmd_serve_matrix(args) -> int:
         print(line)
     c1_gpu = profiles.get(C1_GPU)
     verdict = judge_c1(matrix, c1_gpu.capacity_bytes if c1_gpu else None)
-    if verdict:
+    if verdict and (matrix["gpu"] == C1_GPU).any():  # a matrix of other GPUs was not asked about C1
         print(f"\nC1 (one A100 80 GB holds only about a 13B FP16 model): {verdict}")
     print(f"\nall figures projected ({'eager' if request.eager else 'compiled, CUDA-graph'} decode, "
           f"{request.gen_len} generated tokens per sequence); speed and cost at the first context, "

@@ -155,7 +155,8 @@ C1_GPU = "a100-sxm4-80gb"
 def judge_c1(matrix: pd.DataFrame, capacity_bytes: int | None, gpu: str = C1_GPU) -> str | None:
     """The guide's C1 against the matrix's rows on `gpu` (capacity `capacity_bytes`) at its first
     context, batch 1: the largest size that fits in bf16, how many more bf16 parameters the memory left
-    beside it would hold, and which weights make the sizes that do not fit fit. None without such rows."""
+    beside it would hold, and which weights make the sizes that do not fit fit. None for a matrix without the
+    columns; where it lacks the rows, what to add to the matrix."""
     first = next((c for c in matrix.columns if c.startswith("max_batch_")), None)
     if matrix.empty or first is None or not {"params_bytes", "peak_reserved_b1_bytes"} <= set(matrix.columns):
         return None
@@ -164,7 +165,9 @@ def judge_c1(matrix: pd.DataFrame, capacity_bytes: int | None, gpu: str = C1_GPU
         rows = rows[rows["gpus"].fillna(1) == 1]
     bf16 = rows[rows["weights"] == "bf16"]
     if bf16.empty:
-        return None
+        missing = f"single-GPU {gpu} rows" if rows.empty else f"bf16-weight rows on one {gpu}"
+        return (f"not measurable with this serving matrix: it has no {missing} (headroom serve-matrix --gpu {gpu} "
+                "--weights bf16)")
     fits = bf16[bf16[first].fillna(0) >= 1].sort_values("params_bytes")
     context = first.removeprefix("max_batch_")
     if fits.empty:

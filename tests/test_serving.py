@@ -369,6 +369,11 @@ def test_c1_is_judged_from_the_matrix_rows():
     assert judge_c1(own, 80 * gib).startswith("contradicted")  # 13.02B is the claim's own size, not above it
     small = matrix.assign(max_batch_4k=[0, 0, 0])
     assert judge_c1(small, 80 * gib).startswith("contradicted: none of gpt-13b, gpt-70b fits")
+    # A matrix without the claim's GPU, or without its bf16 rows, says what to add (the report read "no serving
+    # matrix in these results" beside the matrix it drew).
+    assert judge_c1(matrix.assign(gpu="h100-sxm"), 80 * gib).startswith(
+        "not measurable with this serving matrix: it has no single-GPU a100-sxm4-80gb rows")
+    assert "no bf16-weight rows on one a100" in judge_c1(matrix[matrix["weights"] == "int4"], 80 * gib)
 
 
 def test_a_measured_generation_times_prefill_and_every_decode_step():
