@@ -115,16 +115,17 @@ def _table(matrix, first_context: str):
     at = f"@{first_context}"
     columns = {"size": "size", "gpu": "GPU", "gpus": "GPUs", "weights": "weights",
                **{c: "max-batch@" + c.removeprefix("max_batch_") for c in batches},
-               "decode_tokens_s_b1": f"tok/s-b1{at}", "decode_tokens_s_max": f"tok/s-max{at}",
+               "decode_tokens_s_b1": f"decode-tok/s-b1{at}", "decode_tokens_s_max": f"decode-tok/s-max{at}",
                "ttft_ms_b1": f"TTFT-ms-b1{at}", "ttft_ms_max": f"TTFT-ms-max{at}",
                "decode_bandwidth_util_b1": f"BW-util-b1{at}", "usd_per_million_tokens_max": f"USD/M-gen-tok{at}",
-               "usd_per_hour": "USD/h", "params_bytes": "weights-GiB"}
+               # A tensor-parallel replica's rows: each GPU's price and share of the weights.
+               "usd_per_hour": "USD/h-per-GPU", "params_bytes": "weights-GiB-per-GPU"}
     table = matrix[[c for c in columns if c in matrix]].rename(columns=columns).copy()
     if "notes" in matrix:
         numbered = iter(range(1, len(matrix) + 1))
         table["note"] = [f"[{next(numbered)}]" if note else "" for note in matrix["notes"].fillna("")]
     for column in table.columns:
-        if column == "weights-GiB":
+        if column == "weights-GiB-per-GPU":
             table[column] = [f"{v / 2**30:,.1f}" if v == v and v is not None else "-" for v in table[column]]
         elif column.startswith("max-batch"):
             table[column] = [str(int(v)) if v == v and v is not None else "-" for v in table[column]]

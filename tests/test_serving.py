@@ -428,7 +428,8 @@ def test_serve_matrix_command_prints_keeps_and_reports(tmp_path, capsys):
                  "--context", "1024", "--gen-len", "64", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     printed = captured.out
-    assert "max-batch@1k" in printed and "tok/s-b1@1k" in printed and "TTFT-ms-max@1k" in printed
+    assert "max-batch@1k" in printed and "decode-tok/s-b1@1k" in printed and "TTFT-ms-max@1k" in printed
+    assert "USD/h-per-GPU" in printed and "weights-GiB-per-GPU" in printed
     assert "gpt2-124m" in printed
     assert "C1" in printed  # judged from the A100 80 GB's bf16 row
     assert "a100-sxm4-80gb $" in captured.err and "per million generated tokens" in captured.err
