@@ -260,7 +260,21 @@ def cmd_profiles(args) -> int:
                f"{profile.memory_bytes / 2**30:,.0f} GiB]" if profile.devices_per_package > 1 else "")
         print(f"{profile.id:16} {profile.family:8} {profile.name:28} {usable:>10} {peak:>18} {bandwidth:>10}  "
               f"{price}{per}")
+        if profile.calibration:
+            print("  " + _calibrated(device))
     return 0
+
+
+def _calibrated(device) -> str:
+    """The line under a profile a `headroom calibrate` overlay changed: what it measured, when and where, so a
+    user sees the overlay was read (projections for the profile use these figures)."""
+    rates = ", ".join(f"{dtype} {rate / 1e12:,.3g}" for dtype, rate in device.achievable_flops.items())
+    bandwidth = device.achievable_bandwidth_bytes_s
+    said = device.calibration
+    return (f"calibrated {said.get('date', '?')[:10]} on {said.get('device', '?')} ({said.get('file', '?')}): "
+            f"achievable {rates or 'no'} TFLOP/s"
+            + (f", {bandwidth / 1e9:,.1f} GB/s" if bandwidth else "")
+            + (f"; {said['notes']}" if said.get("notes") else ""))
 
 
 def _check_given_profiles(args) -> None:

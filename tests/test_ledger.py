@@ -193,6 +193,15 @@ def test_calibrate_on_the_cpu_writes_an_overlay_that_projections_use(tmp_path, c
                                project_outcome(cell.resolve(load_profiles(tmp_path))), "t")
     assert calibrated_row.step_time_ms_p50 > 0
     assert path.name == "cpu.overlay.toml"
+    # `headroom profiles` shows the overlay was read: what it measured, where and from which file.
+    from harness.cli import main
+
+    capsys.readouterr()
+    assert main(["profiles", "--profiles", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    under_cpu = listed[next(i for i, line in enumerate(listed) if line.startswith("cpu ")) + 1]
+    assert under_cpu.strip().startswith("calibrated ") and str(path) in under_cpu and "TFLOP/s" in under_cpu
+    assert not any(line.strip().startswith("calibrated") for line in listed if "cpu.overlay" not in line)
 
 
 def test_an_overlay_for_no_loaded_profile_is_refused_naming_the_file(tmp_path):

@@ -51,7 +51,10 @@ def max_batch(cell: ResolvedCell, step: int = 1, limit: int = MAX_BATCH_LIMIT, s
     from harness.project import project
 
     profile = cell.profile.per_device()
-    if profile.vendor == "cpu" or profile.capacity_bytes is None:
+    if profile.vendor == "cpu":
+        raise ValueError(f"profile {profile.id} is the host CPU, whose memory the system shares (no device memory a "
+                         "batch is fitted to): pick a GPU profile to solve for the largest batch")
+    if profile.capacity_bytes is None:
         raise ValueError(f"profile {profile.id} has no memory size to fit in: cannot solve for the largest batch")
     start = max(step, smallest or step)
     first = project(cell.with_batch(start)).memory
