@@ -390,6 +390,8 @@ def read_results(path: Path) -> pd.DataFrame:
     if path.is_dir():
         found = [path / name for name in ("results.parquet", "results.csv") if (path / name).exists()]
         newer = _cells_newer_than(path, found[0] if found else None)
+        if newer and found and _frame_holds_cells(found[0], path):
+            newer = 0  # copied (cp -r gives every file the copy's time), not cut short: the frame is its cells'
         if newer:
             # A run cut short (killed, or stopped in its accuracy stage) rebuilt its frame only after its last
             # measured cell: its cell files are the results. Read them, leaving the folder as it is.
@@ -432,6 +434,21 @@ def _cells_newer_than(folder: Path, frame_file: Path | None) -> int:
         return 0
     since = frame_file.stat().st_mtime if frame_file is not None else float("-inf")
     return sum(1 for cell in cells.glob("*.json") if cell.stat().st_mtime > since)
+
+
+def _frame_holds_cells(frame_file: Path, folder: Path) -> bool:
+    """Whether a results folder's frame holds exactly the rows of its cell files, whatever their file times."""
+    def normal(frame: pd.DataFrame) -> pd.DataFrame:
+        frame = frame[sorted(frame.columns)].sort_values(["cell_id", "rank"], kind="stable").reset_index(drop=True)
+        return frame.astype(object).where(frame.notna(), None).astype(str)
+
+    try:
+        saved = _checked(pd.read_parquet(frame_file) if frame_file.suffix == ".parquet" else
+                         pd.read_csv(frame_file, dtype=str, keep_default_na=False, na_values=[""]), frame_file)
+        cells = _checked(records_frame(ResultsStore(folder).rows()), folder / "cells")
+    except (OSError, ValueError):
+        return False
+    return normal(saved).equals(normal(cells))
 
 
 def _checked(frame: pd.DataFrame, path: Path) -> pd.DataFrame:

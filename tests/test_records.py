@@ -148,6 +148,19 @@ def test_a_folder_whose_cells_are_newer_than_its_frame_is_read_from_its_cells(tm
         (tmp_path / "page.html").read_text()
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "page.md")]) == 0
     assert "> **Warning:** " in (tmp_path / "page.md").read_text()
+
+
+def test_a_copied_folder_whose_cells_got_newer_times_is_read_from_its_frame_without_a_warning(tmp_path, capsys):
+    # `cp -r` gives every file the copy's time, in the copy's order: cells may come out newer than the frame.
+    store = ResultsStore(tmp_path)
+    store.prepare()
+    store.add(_record("c1", notes="n"))
+    store.write_frame()
+    frame_time = (tmp_path / "results.parquet").stat().st_mtime
+    os.utime(store.cells_dir / "c1.json", (frame_time + 5, frame_time + 5))
+    frame = read_results(tmp_path)
+    assert list(frame["cell_id"]) == ["c1"] and "cut_short" not in frame.attrs
+    assert "newer than" not in capsys.readouterr().err
     capsys.readouterr()
     assert sorted(read_results(tmp_path / "results.parquet")["cell_id"]) == ["c1"]  # a file given is read as it is
     store.write_frame()  # the run finishes: its frame is newest again, and read without a word
