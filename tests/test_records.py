@@ -148,6 +148,11 @@ def test_a_folder_whose_cells_are_newer_than_its_frame_is_read_from_its_cells(tm
         (tmp_path / "page.html").read_text()
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "page.md")]) == 0
     assert "> **Warning:** " in (tmp_path / "page.md").read_text()
+    capsys.readouterr()
+    assert sorted(read_results(tmp_path / "results.parquet")["cell_id"]) == ["c1"]  # a file given is read as it is
+    store.write_frame()  # the run finishes: its frame is newest again, and read without a word
+    os.utime(tmp_path / "results.parquet", (frame_time + 10, frame_time + 10))
+    assert len(read_results(tmp_path)) == 2 and capsys.readouterr().err == ""
 
 
 def test_a_copied_folder_whose_cells_got_newer_times_is_read_from_its_frame_without_a_warning(tmp_path, capsys):
@@ -161,11 +166,6 @@ def test_a_copied_folder_whose_cells_got_newer_times_is_read_from_its_frame_with
     frame = read_results(tmp_path)
     assert list(frame["cell_id"]) == ["c1"] and "cut_short" not in frame.attrs
     assert "newer than" not in capsys.readouterr().err
-    capsys.readouterr()
-    assert sorted(read_results(tmp_path / "results.parquet")["cell_id"]) == ["c1"]  # a file given is read as it is
-    store.write_frame()  # the run finishes: its frame is newest again, and read without a word
-    os.utime(tmp_path / "results.parquet", (frame_time + 10, frame_time + 10))
-    assert len(read_results(tmp_path)) == 2 and capsys.readouterr().err == ""
 
 
 def test_add_overwrites_same_cell_and_rewrites_frame(tmp_path):
