@@ -22,16 +22,20 @@ from suites.techniques.accumulation import DEFAULT_MICRO_BATCHES
 GIB = 2**30
 
 # Stacks tried for a cell that does not fit, cheapest in engineering first. Full fine-tuning keeps the
-# model and its training; the adapter stacks train less of it, and the advice says so.
+# model and its training (cpu-offload: FSDP2's offload policy on one GPU, projected as a world of one, --dp 1,
+# its parameters, gradients and optimizer state in host memory); the adapter stacks train less of it, and the
+# advice says so. Where none fits, each is tried again in micro-batches (+grad-accumulation).
 TRAIN_STACKS = ("amp-bf16", "amp-fp16", "checkpointing", "amp-bf16+checkpointing",
                 "amp-bf16+selective-checkpointing", "amp-bf16+grad-accumulation", "amp-bf16+optim-8bit",
                 "amp-bf16+checkpointing+optim-8bit", "amp-bf16+checkpointing+optim-4bit",
-                "amp-bf16+checkpointing+optim-offload", "lora+amp-bf16+checkpointing",
+                "amp-bf16+checkpointing+optim-offload", "cpu-offload+amp-bf16+checkpointing",
+                "lora+amp-bf16+checkpointing",
                 "qlora+amp-bf16+checkpointing")  # QLoRA computes in bf16 (Dettmers et al. 2023), as LoRA here does
 INFER_STACKS = ("bf16-weights", "fp16-weights", "bf16-weights+kv-int8", "bf16-weights+group-quant",
                 "bf16-weights+group-quant-int4", "bf16-weights+group-quant-int4+kv-int8")
 CHANGES_TRAINING = {"lora": "trains adapters only", "qlora": "trains adapters on 4-bit frozen weights",
-                    "grad-accumulation": f"same global batch in {DEFAULT_MICRO_BATCHES} micro-batches"}
+                    "grad-accumulation": f"same global batch in {DEFAULT_MICRO_BATCHES} micro-batches",
+                    "cpu-offload": "FSDP2 on one GPU, --dp 1: parameters and optimizer state in host memory"}
 
 
 def memory_left(reserved, overhead, capacity, allocated=None, fits=None) -> float | None:
@@ -88,8 +92,15 @@ def fix_line(stack: str, target: dict, fix: dict, reference: float | None = None
         parts.append(f"{fix['step_ms']:,.0f} ms per step ({versus}),")
     elif fix.get("step_ms"):
         parts.append(f"{fix['step_ms']:,.0f} ms per step,")
-    parts.append(f"fits with {gib(fix['left'])} left" + uncertain_fit(fix.get("worst")))
-    notes = [note for name, note in CHANGES_TRAINING.items() if name in stack.split("+")]
+    if fix.get("tokens_s"):  # a served cell: what serving is priced on, as the tensor-parallel line says it
+        usd = f", ${fix['usd_tokens']:,.2f} per million tokens" if fix.get("usd_tokens") else ""
+        parts.append(f"{fix['tokens_s']:,.1f} generated tokens/s{usd},")
+    retrying = (", and only by the allocator freeing its cache and retrying every step (slow; a smaller batch, "
+                "--max-batch, avoids it)") if fix.get("retrying") else ""
+    parts.append(f"fits with {gib(fix['left'])} left" + uncertain_fit(fix.get("worst")) + retrying)
+    notes = [note for name, note in CHANGES_TRAINING.items() if name in [t.partition(":")[0] for t in stack.split("+")]]
+    kept = f"kept from yours: {', '.join(fix['kept'])}" if fix.get("kept") else ""
+    notes += [kept] if kept else []
     return " ".join(parts) + (f" ({'; '.join(notes)})" if notes else "")
 
 
@@ -101,11 +112,12 @@ def uncertain_fit(worst: float | None) -> str:
 
 def rank_fixes(target: dict, fixes: list[dict]) -> list[str]:
     """The fixes that fit, fastest first (memory left breaks ties), as advice lines; those whose reserved-memory
-    interval reaches past the card (`worst` < 0) after every one that fits at its high end too. Each dict:
-    stack, reserved, step_ms, left, optionally worst (bytes left at the interval's high end)."""
+    interval reaches past the card (`worst` < 0), or that fit only by the allocator's retries, after every one
+    that fits surely. Each dict: stack, reserved, step_ms, left, optionally worst (bytes left at the interval's
+    high end), retrying, tokens_s and usd_tokens (a served cell's), kept (techniques kept from the asked stack)."""
     fitting = [fix for fix in fixes if fix.get("left") is not None and fix["left"] >= 0]
-    fitting.sort(key=lambda f: ((f.get("worst") or 0) < 0, f["step_ms"] if f.get("step_ms") else float("inf"),
-                                -f["left"]))
+    fitting.sort(key=lambda f: ((f.get("worst") or 0) < 0 or bool(f.get("retrying")),
+                                f["step_ms"] if f.get("step_ms") else float("inf"), -f["left"]))
     steps = [fix["step_ms"] for fix in fitting if fix.get("step_ms")]
     reference = min(steps) if steps else None
     return [fix_line(fix["stack"], target, fix, reference) for fix in fitting]
@@ -148,11 +160,33 @@ def memory_row(record) -> dict:
 
 def _summary(record, capacity) -> dict:
     row = memory_row(record)
+    left = row_memory_left(row, capacity)
+    # Fits by its live bytes though its reserved peak does not: the allocator frees its cache and retries.
+    plain = memory_left(record.peak_reserved_bytes, record.device_overhead_bytes, capacity)
     return {"stack": record.technique, "reserved": record.peak_reserved_bytes, "step_ms": record.step_time_ms_p50,
-            "left": row_memory_left(row, capacity),
-            "worst": row_memory_left_worst(row, capacity),
+            "left": left, "worst": row_memory_left_worst(row, capacity),
+            "retrying": left is not None and left >= 0 and plain is not None and plain < 0,
             "status": record.status, "reason": record.reason, "batch": record.batch_size,
-            "usd": record.usd_per_million_samples}
+            "usd": record.usd_per_million_samples,
+            **({"tokens_s": record.tokens_per_s, "usd_tokens": record.usd_per_million_tokens}
+               if record.gen_len and record.mode == "infer" else {})}
+
+
+def built_on(candidate: str, asked: str) -> tuple[str, list[str]]:
+    """`candidate` with the asked stack's techniques it neither holds nor replaces (one of an exclusive group the
+    candidate uses): `+compile` or `+optim-fused` stay in every suggestion; the stack's canonical name and
+    what was kept. The candidate alone where the two do not stack."""
+    from suites.techniques import parse_stack
+
+    mine = parse_stack(candidate).techniques
+    held = {t.id.partition(":")[0] for t in mine}
+    groups = {t.exclusive for t in mine if t.exclusive}
+    kept = [t.id for t in parse_stack(asked).techniques
+            if t.id.partition(":")[0] not in held and (t.exclusive is None or t.exclusive not in groups)]
+    try:
+        return parse_stack("+".join([candidate, *kept])).name, kept
+    except ValueError:
+        return parse_stack(candidate).name, []
 
 
 @dataclasses.dataclass
@@ -196,8 +230,23 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
         raise ValueError(f"{request.technique} on {profile.id}: {record.status}: {record.reason}")
     target = _summary(record, capacity)
     if record.status == "oom" or (target["left"] is not None and target["left"] < 0):
-        stacks = [s for s in candidate_stacks(request.mode, profile) if s != request.technique]
-        fixes = [_summary(record, capacity) for record in project_each([{"technique": s} for s in stacks])]
+        asked = parse_stack(request.technique).name
+        stacks, fixes = [], []
+        rounds = [candidate_stacks(request.mode, profile)]
+        if request.mode == "train":  # where none fits at this batch, the same in micro-batches
+            rounds.append([f"{s}+grad-accumulation" for s in rounds[0] if "grad-accumulation" not in s.split("+")])
+        for candidates in rounds:
+            built = {}
+            for candidate in candidates:
+                stack, kept = built_on(candidate, request.technique)
+                if stack != asked and stack not in stacks:
+                    built[stack] = kept
+            changes = [{"technique": s, **({"dp": 1} if parse_stack(s).parallel else {})} for s in built]
+            for kept, result in zip(built.values(), project_each(changes), strict=True):
+                fixes.append({**_summary(result, capacity), "kept": kept})
+            stacks += list(built)
+            if any(f["status"] == "ok" and f["left"] is not None and f["left"] >= 0 for f in fixes):
+                break
         lines = rank_fixes(target, [f for f in fixes if f["status"] == "ok"])
         unsupported = [f for f in fixes if f["status"] == "unsupported"]
         skipped = (f" ({len(unsupported)} unsupported on {profile.id}: "
@@ -214,7 +263,8 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
         several = "several (serving over a tensor-parallel group, below)" if served else \
             "several (headroom project --min-gpus)"
         headline = (f"projected: {request.technique} does not fit on {profile.id}: short by {short}; "
-                    + (f"{len(lines)} of {len(stacks)} stacks tried make it fit{skipped}" if lines and not smaller else
+                    + (f"{len(lines)} of {len(stacks)} stacks tried make it fit{skipped} (fastest first; those that "
+                       "may not fit, or fit only by the allocator's retries, last)" if lines and not smaller else
                        f"none of the {len(stacks)} stacks tried makes it fit{skipped}: "
                        + ("a smaller batch, " if smaller else "")
                        + f"a larger GPU or {several} is needed"))

@@ -115,10 +115,42 @@ def test_a_batch_no_stack_holds_is_answered_with_the_largest_that_fits(small_l4,
     assert main(["advise", "--workload", "gpt", "--size", "smoke", "--gpu", "small-l4", "--batch-size", "200000",
                  "--profiles", str(small_l4)]) == 0
     headline, line = capsys.readouterr().out.splitlines()
-    assert headline.endswith("none of the 1 stacks tried makes it fit: a smaller batch, a larger GPU or several "
+    # amp-bf16, then amp-bf16 in micro-batches (the second round where none fits).
+    assert headline.endswith("none of the 2 stacks tried makes it fit: a smaller batch, a larger GPU or several "
                              "(headroom project --min-gpus) is needed")
     largest = int(re.search(r"at most (\d+) with baseline \(asked 200000\)", line).group(1))
     assert 1 < largest < 200000
+
+
+def test_where_no_stack_fits_each_is_tried_in_micro_batches(small_l4, monkeypatch, capsys):
+    # amp-bf16 alone is short at this batch; in 4 micro-batches its activations are a quarter: it fits.
+    monkeypatch.setattr(advise, "TRAIN_STACKS", ("amp-bf16",))
+    assert main(["advise", "--workload", "gpt", "--size", "gpt2-124m", "--gpu", "small-l4", "--batch-size", "24",
+                 "--profiles", str(small_l4)]) == 0
+    headline, line = capsys.readouterr().out.splitlines()[:2]
+    assert "1 of 2 stacks tried make it fit" in headline, headline
+    assert line.startswith("  amp-bf16+grad-accumulation: ") and "same global batch in 4 micro-batches" in line
+
+
+def test_suggestions_keep_the_asked_stacks_techniques_they_do_not_replace():
+    # compile stays in every suggestion; an optimizer of the candidate's own replaces the asked one.
+    assert advise.built_on("bf16-weights+group-quant", "bf16-weights+compile") == (
+        "bf16-weights+group-quant+compile", ["compile"])
+    assert advise.built_on("amp-bf16+checkpointing+optim-8bit", "amp-bf16+optim-fused") == (
+        "checkpointing+amp-bf16+optim-8bit", [])
+    assert advise.built_on("amp-bf16+checkpointing", "amp-bf16+optim-fused")[1] == ["optim-fused"]
+    # A stack the two cannot make together is the candidate alone (two adapters).
+    assert advise.built_on("qlora+amp-bf16+checkpointing", "lora")[1] == []
+
+
+def test_a_fix_that_fits_only_by_the_allocators_retries_says_so_and_ranks_after_sure_ones():
+    target = {"reserved": 100 * advise.GIB, "step_ms": None}
+    sure = {"stack": "a", "reserved": 50 * advise.GIB, "step_ms": 200.0, "left": advise.GIB}
+    retrying = {"stack": "b", "reserved": 60 * advise.GIB, "step_ms": 100.0, "left": 5 * advise.GIB,
+                "retrying": True}
+    first, second = advise.rank_fixes(target, [retrying, sure])
+    assert first.startswith("a:")
+    assert "only by the allocator freeing its cache and retrying every step" in second
 
 
 def test_advise_for_a_cell_that_fits_offers_a_larger_batch(small_l4, capsys):
