@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--gpu", type=_csv, default=None,
                      help="profile ids, families or all (default: the local device; on a machine without a GPU "
                           "also every GPU profile, projected)")
-    run.add_argument("--scale", default=None, help="smoke|standard|large (default: smoke on CPU, standard on GPU)")
+    run.add_argument("--scale", default=None,
+                     help="smoke|standard|large, or test (the suite's own tiny sizes); default: smoke on CPU, "
+                          "standard on GPU")
     run.add_argument("--mode", type=_csv, default=["train", "infer"], help="train, infer or both (default)")
     run.add_argument("--batch-size", type=_count, default=None, help="override every size's default batch")
     _add_generation_flags(run)

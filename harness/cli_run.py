@@ -77,8 +77,9 @@ def cmd_run(args) -> int:
                             settings=dataclasses.replace(settings, artifacts_dir=str(out.resolve())),
                             profiles_dir=args.profiles,
                             cell_memory_bytes=args.cell_memory or default_cell_memory())
+    scope = f"sizes {', '.join(args.size)}" if args.size else f"scale {plan.scale}"  # --size picks over scales
     console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), "
-                  f"scale {plan.scale}; {len(projected)} projected cells" + (f" (scale {plan.projected_scale} "
+                  f"{scope}; {len(projected)} projected cells" + (f" (scale {plan.projected_scale} "
                                                                               "for other GPUs)"
                                                          if foreign else "") + f" -> {printable(str(out))}")
     if foreign:
@@ -95,9 +96,11 @@ def cmd_run(args) -> int:
         if record.status == "ok":
             speed = (f"p50 {record.step_time_ms_p50:.2f} ms, {record.throughput_samples_s:.1f} samples/s, "
                      if record.step_time_ms_p50 is not None else "")
+            # One repeat has no spread to measure: its cv is unknown, not 0%.
+            spread = record.step_time_cv
+            cv = "n/a (1 repeat)" if spread is None or spread != spread else f"{spread:.1%}"
             detail = (speed + f"peak {record.peak_allocated_bytes / 2**20:.1f} MiB"
-                      + (f", NOISY (cv {record.step_time_cv or 0:.1%}, mean {record.step_time_ms_mean:.2f} ms)"
-                         if record.noisy else ""))
+                      + (f", NOISY (cv {cv}, mean {record.step_time_ms_mean:.2f} ms)" if record.noisy else ""))
         console.print(f"[{index}/{total} {elapsed:5.0f}s] {cell.describe()}: {record.status}  {detail}")
 
     # SIGTERM and SIGHUP end the run as Ctrl-C does: finished cells stay saved and --resume goes on (the

@@ -139,8 +139,10 @@ def parse_shard(text: str) -> tuple[int, int]:
         index, count = (int(part) for part in text.split("/"))
     except ValueError:
         raise ValueError(f"--shard takes I/N (the I-th of N slices, e.g. 2/8), got {text!r}") from None
+    if count < 1:
+        raise ValueError(f"--shard {text}: N, the number of slices, must be at least 1")
     if not 1 <= index <= count:
-        raise ValueError(f"--shard {text}: I must be between 1 and N")
+        raise ValueError(f"--shard {text}: I must be between 1 and N ({count})")
     return index, count
 
 

@@ -215,7 +215,7 @@ class Workload:
             import difflib
 
             close = difflib.get_close_matches(name, list(self.sizes), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             valid = ", ".join(self.sizes)
             raise ValueError(f"unknown size {name!r} for workload {self.name!r}{hint}; valid: {valid}") from None
 
