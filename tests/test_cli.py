@@ -83,8 +83,8 @@ def test_report_merges_results(small_run, tmp_path, capsys):
     (["run", "--scale", "huge"], "unknown scale 'huge'"),
     (["run", "--size", "gpt2-9b"], "unknown size 'gpt2-9b'"),
     (["run", "--size", "gpt2-125m"], "unknown size 'gpt2-125m'; did you mean gpt2-124m"),
-    (["project", "--size", "gpt2-125m", "--gpu", "t4"], "unknown size 'gpt2-125m' for workload 'gpt'; did you mean "
-                                                        "'gpt2-124m'?"),
+    (["project", "--size", "gpt2-125m", "--gpu", "t4"], "unknown size 'gpt2-125m' for workload 'gpt' (did you mean "
+                                                        "'gpt2-124m'?); valid: "),
     (["run", "--mode", "serve"], "unknown mode 'serve'"),
     (["run", "--steps", "3"], "expected 10 to 100000 timed steps"),
     (["run", "--out", "/proc/headroom"], "not writable"),
