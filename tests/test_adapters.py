@@ -74,6 +74,13 @@ def test_qlora_base_weights_take_a_quarter_of_bf16_plus_their_scales():
     assert {name.split(".")[3] for name, p in qkv_only.model.named_parameters() if p.requires_grad} == {"qkv"}
 
 
+def test_a_target_that_names_no_layer_is_refused_with_the_names_there_are():
+    # One typo among good targets would otherwise adapt fewer layers than asked, silently.
+    with pytest.raises(Unsupported, match=r"named qkvv in gpt's blocks \(its blocks' Linear or Conv2d layers: "
+                                          r"proj, qkv, up\)"):
+        _run("lora:targets=qkv/qkvv")
+
+
 @pytest.mark.parametrize("stack, workload", [("lora", "gpt"), ("qlora", "gpt"), ("lora", "bert"),
                                              ("qlora+amp-bf16", "bert"), ("lora", "resnet50")])
 def test_adapters_learn_on_the_smoke_sizes(stack, workload):

@@ -82,9 +82,15 @@ def adapted_layers(run: Run, kinds: tuple[type, ...], targets: tuple[str, ...], 
         raise Unsupported(f"adapters wrap plain layers, and another technique of the stack replaced them with "
                           f"{', '.join(replaced)}")
     found = [name for name, _ in wanted]
-    if not found:
-        named = f" named {'/'.join(targets)}" if targets else ""
-        raise Unsupported(f"no {what}{named} in {run.workload.name}'s blocks")
+    # A target that names nothing is a typo or another model's name: said with the names there are, rather than
+    # adapting fewer layers than asked.
+    present = {name.rsplit(".", 1)[-1] for name, module in run.model.named_modules()
+               if name.startswith(prefixes) and isinstance(module, kinds)}
+    unmatched = [target for target in targets if target not in present]
+    if unmatched or not found:
+        named = f" named {'/'.join(unmatched or targets)}" if targets else ""
+        there = f" (its blocks' {what}s: {', '.join(sorted(present))})" if present else ""
+        raise Unsupported(f"no {what}{named} in {run.workload.name}'s blocks{there}")
     return found
 
 
