@@ -102,6 +102,10 @@ def cmd_run(args) -> int:
             detail = (speed + f"peak {record.peak_allocated_bytes / 2**20:.1f} MiB"
                       + (f", NOISY (cv {cv}, mean {record.step_time_ms_mean:.2f} ms)" if record.noisy else ""))
         console.print(f"[{index}/{total} {elapsed:5.0f}s] {cell.describe()}: {record.status}  {detail}")
+        # A file asked for (--memory-timeline, --profile, --tensorboard) that could not be kept is said here, not
+        # only in the row's notes: the figures stand, the file does not exist.
+        for lost in (part for part in (record.notes or "").split("; ") if " not kept: " in part):
+            console.print(f"  warning: {lost}")
 
     # SIGTERM and SIGHUP end the run as Ctrl-C does: finished cells stay saved and --resume goes on (the
     # runner defers them while it traces in-process, where an exception inside autograd would abort).

@@ -189,9 +189,13 @@ def test_a_cell_on_two_ranks_has_a_row_per_rank_and_the_maximum(tmp_path):
 
     out = tmp_path / "run"
     assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline,fsdp", "--mode", "train",
-                 "--world-size", "2", "--out", str(out), "--steps", "10", "--repeats", "1", "--no-accuracy"]) == 0
+                 "--world-size", "2", "--out", str(out), "--steps", "10", "--repeats", "1", "--no-accuracy",
+                 "--profile"]) == 0
     frame = pd.read_csv(out / "results.csv")
     fsdp = frame[(frame["technique"] == "fsdp") & (frame["source"] == "measured")]
+    # Each rank keeps its own profiler trace, named as its row is (the ranks overwrote one file before).
+    assert sorted(p.name for p in (out / "traces").glob("*fsdp*")) == [
+        f"{fsdp[fsdp['rank'] == rank]['cell_id'].iloc[0]}.json" for rank in (0, 1)]
     assert sorted(fsdp["rank"].fillna(-1).astype(int)) == [-1, 0, 1] and (fsdp["world_size"] == 2).all()
     twin = frame[(frame["technique"] == "fsdp") & (frame["source"] == "projected")].iloc[0]
     # Its projected twin: one rank on 2 GPUs, checked against the cell row (the maximum over ranks).

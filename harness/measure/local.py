@@ -19,7 +19,7 @@ import torch
 from harness.cell import ResolvedCell
 from harness.measure import artifacts
 from harness.measure.comm_volume import bytes_sent
-from harness.measure.distributed import rank_slice
+from harness.measure.distributed import RANK_ROW_SUFFIX, rank_slice
 from harness.measure.generation import time_generation
 from harness.measure.memory import probe_for
 from harness.measure.nvml import NvmlSampler, open_source
@@ -218,8 +218,14 @@ def _artifacts(cell: ResolvedCell, one_step, device: torch.device, settings: Mea
                memory: MemoryFigures) -> list[str]:
     """The files asked for beside the rows (after the timed steps, so they cost no timed time); notes
     saying where they are."""
+    import torch.distributed as dist
+
     notes = []
     folder, cell_id = Path(settings.artifacts_dir or "."), cell.cell.cell_id
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Every rank keeps its own files, named as its row is (harness/measure/distributed.py), not one file the
+        # ranks overwrite in turn.
+        cell_id = f"{cell_id}{RANK_ROW_SUFFIX}{dist.get_rank()}"
     figures = {"peak_allocated": memory.peak_allocated, "peak_reserved": memory.peak_reserved,
                "params": memory.params, "activations": memory.activations}
     wanted = [("memory timeline", settings.memory_timeline,
