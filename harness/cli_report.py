@@ -54,6 +54,10 @@ def cmd_report(args) -> int:
     repeated = len(merged) - len(unique)
     counted = f" ({repeated} repeated rows of the same runs counted once)" if repeated else ""
     cut_short = tuple(frame.attrs["cut_short"] for frame in frames if frame.attrs.get("cut_short"))
+    shards = _missing_shards(args.results)
+    for warning in shards:
+        print(f"headroom: warning: {warning}", file=sys.stderr)
+    cut_short += shards
     from harness.serve_matrix import merged_matrices
 
     matrix = merged_matrices(matrices)
@@ -73,6 +77,26 @@ def cmd_report(args) -> int:
                  profiles=profiles, warnings=cut_short)
     print(f"wrote {printable(str(args.out))} from {len(unique)} rows{counted}")
     return 0
+
+
+def _missing_shards(paths) -> tuple[str, ...]:
+    """For the results folders that are slices of one plan (`headroom run --shard I/N`), the slices not given:
+    a report of some of them is not the plan's."""
+    from harness.records import ResultsStore
+
+    slices: dict[str, tuple[int, set[int]]] = {}
+    for path in paths:
+        info = ResultsStore(path).run_info() if path.is_dir() else None
+        if info and info.get("shard"):
+            index, count = (int(part) for part in str(info["shard"]).split("/"))
+            slices.setdefault(str(info.get("plan")), (count, set()))[1].add(index)
+    warnings = []
+    for count, given in slices.values():
+        missing = sorted(set(range(1, count + 1)) - given)
+        if missing:
+            warnings.append(f"slices {', '.join(f'{i}/{count}' for i in missing)} of a sharded run are not among "
+                            f"these results: the report holds {len(given)} of its {count} slices")
+    return tuple(warnings)
 
 
 def _is_markdown(args) -> bool:

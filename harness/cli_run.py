@@ -31,6 +31,20 @@ def _check_ranks(plan, local, world_size: int) -> None:
                          f"project more GPUs instead: headroom project --dp {world_size} ...")
 
 
+def _run_info(args, whole) -> dict:
+    """What a run is asked, kept in its folder (records.RUN_INFO): the settings a resume must repeat, and which
+    slice of which plan it is (`plan`: a digest of the whole plan's cells), so a report can tell a merge of
+    shards that lacks one."""
+    import hashlib
+
+    from harness.plan import parse_shard
+
+    plan = hashlib.sha256("\n".join(sorted(cell.cell_id for cell in whole.cells)).encode()).hexdigest()[:12]
+    shard = "/".join(str(part) for part in parse_shard(args.shard)) if args.shard else None
+    return {"warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
+            "noise_threshold": args.noise_threshold, "shard": shard, "plan": plan, "plan_cells": len(whole.cells)}
+
+
 def cmd_run(args) -> int:
     from rich.console import Console
 
@@ -72,6 +86,7 @@ def cmd_run(args) -> int:
     run_id = new_run_id()
     store = ResultsStore(args.out or Path("results") / run_id)
     run_id = store.open(run_id, resume=args.resume)
+    store.keep_run_info(_run_info(args, whole), args.resume)
     out = store.root
     options = RunnerOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
                             settings=dataclasses.replace(settings, artifacts_dir=str(out.resolve())),

@@ -35,6 +35,10 @@ STATUSES = ("ok", "oom", "unsupported", "error", "timeout")
 LOCK_NAME = ".headroom.lock"  # in a results folder: held by the run writing it
 # What a run writes into its folder: found without cells/, they belong to something this run must not clobber.
 FOREIGN_GUARDED = ("results.parquet", "results.csv", "report.html")
+# In a results folder: what its run was asked (ResultsStore.keep_run_info); a resume must ask the same.
+RUN_INFO = "run.json"
+RESUMED_SETTINGS = {"warmup": "--warmup", "steps": "--steps", "repeats": "--repeats",
+                    "noise_threshold": "--noise-threshold", "shard": "--shard"}
 SOURCES = ("measured", "projected")
 
 
@@ -351,6 +355,27 @@ class ResultsStore:
         # Temp files of runs that were killed mid-write: nobody else writes here while the lock is held.
         for stale in [*self.root.glob(".*.tmp"), *self.cells_dir.glob(".*.tmp")]:
             stale.unlink(missing_ok=True)
+
+    def run_info(self) -> dict | None:
+        """What the run in this folder was asked (RUN_INFO: its measurement settings, its shard of which plan),
+        None where it wrote none (a run older than the file) or it cannot be read."""
+        try:
+            info = json.loads((self.root / RUN_INFO).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return info if isinstance(info, dict) else None
+
+    def keep_run_info(self, info: dict, resume: bool) -> None:
+        """Write what this run is asked; resuming, refuse settings its recorded cells were not measured with (a
+        resumed folder would mix rows of two kinds, and its skipped cells keep the old ones)."""
+        earlier = self.run_info() if resume else None
+        if earlier:
+            changed = [f"{RESUMED_SETTINGS[key]} {earlier.get(key)} (now {info.get(key)})"
+                       for key in RESUMED_SETTINGS if earlier.get(key) != info.get(key)]
+            if changed:
+                raise ValueError(f"--resume: {self.root}'s cells were run with {', '.join(changed)}: resume with "
+                                 "those, or choose another --out (nothing there was changed)")
+        atomic_write_text(self.root / RUN_INFO, json.dumps(info, indent=1, sort_keys=True) + "\n")
 
     def recorded_run_id(self) -> str | None:
         """The run id of the rows already here (a resumed run keeps it, so its twins pair up), or None."""

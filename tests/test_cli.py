@@ -57,6 +57,29 @@ def test_a_folder_holding_a_run_is_not_reused_without_resume(small_run, capsys):
     assert sorted((out / "cells").iterdir()) == before  # nothing lost, nothing added
 
 
+def test_a_resume_with_other_measurement_settings_is_refused(small_run, capsys):
+    _, out = small_run
+    before = sorted((out / "cells").iterdir())
+    assert main(["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline,checkpointing", "--mode",
+                 "train,infer", "--repeats", "3", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cells were run with --repeats 1 (now 3): resume with those" in err
+    assert sorted((out / "cells").iterdir()) == before
+
+
+def test_a_report_of_some_slices_of_a_sharded_run_says_which_are_missing(tmp_path, capsys):
+    argv = ["run", "--gpu", "cpu", "--workload", "gpt", "--technique", "baseline", "--mode", "infer",
+            "--repeats", "1", "--steps", "10", "--no-accuracy"]
+    for index in (1, 2):
+        assert main([*argv, "--shard", f"{index}/2", "--out", str(tmp_path / f"s{index}")]) == 0
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "s1"), "--out", str(tmp_path / "one.md")]) == 0
+    assert "slices 2/2 of a sharded run are not among these results" in capsys.readouterr().err
+    assert "slices 2/2 of a sharded run" in (tmp_path / "one.md").read_text()
+    assert main(["report", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "both.md")]) == 0
+    assert "sharded run" not in capsys.readouterr().err
+
+
 def test_checkpointing_holds_fewer_activation_bytes(small_run):
     _, out = small_run
     frame = pd.read_parquet(out / "results.parquet")
