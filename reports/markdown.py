@@ -64,14 +64,18 @@ def results_markdown(frame: pd.DataFrame, profiles: dict | None = None, prices: 
     if measured.empty:
         lines += ["No measured cells: every figure here is projected.", "", HTML_ONLY]
         return "\n".join(lines)
+    # Several runs may hold one cell: each row then says its run, so two figures of one cell are told apart.
+    several = len(runs) > 1
     headers = ["size", "technique", "GPU", "batch", "status", "step time p50", "peak memory (reserved)"]
+    headers = ["run", *headers] if several else headers
     for (workload, mode), group in measured.groupby(["workload", "mode"], sort=True):
-        group = group.sort_values(["size", "technique", "gpu", "batch_size"], kind="stable")
-        rows = [[fmt.text(row["size"]), fmt.text(row["technique"]), fmt.text(row["gpu"]), fmt.text(row["batch_size"]),
-                 fmt.text(row["status"]), milliseconds(row["step_time_ms_p50"]), peak_memory(row)]
+        group = group.sort_values(["size", "technique", "gpu", "batch_size", "run_id"], kind="stable")
+        rows = [[fmt.text(row["run_id"])] * several
+                + [fmt.text(row["size"]), fmt.text(row["technique"]), fmt.text(row["gpu"]),
+                   fmt.text(row["batch_size"]), fmt.text(row["status"]), step_time(row), peak_memory(row)]
                 for _, row in group.iterrows()]
         lines += [f"### {escape(workload)} · {escape(mode)} (measured cells only)", "",
-                  table(headers, rows, right_from=5), ""]
+                  table(headers, rows, right_from=5 + several), ""]
     return "\n".join(lines + [HTML_ONLY])
 
 
@@ -99,6 +103,15 @@ def serving_markdown(matrix: pd.DataFrame | None, profiles: dict | None, prices:
     context = found[0]["context"] if found else ""
     return [f"### Serving a decoder (projected, {found[0]['decode'] if found else ''} decode, {context} context)", "",
             table(["size", "cheapest that holds it", "fastest stream", "best value"], rows, right_from=4), ""]
+
+
+def step_time(row) -> str:
+    """A measured row's median step time, marked where its repeats disagreed beyond the noise threshold."""
+    text = milliseconds(row["step_time_ms_p50"])
+    if row.get("noisy") is True or str(row.get("noisy")) == "True":
+        spread = row.get("step_time_cv")
+        text += " (noisy" + ("" if fmt.missing(spread) else f", cv {float(spread):.0%}") + ")"
+    return text
 
 
 def peak_memory(row) -> str:

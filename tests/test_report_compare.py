@@ -179,6 +179,16 @@ def test_results_markdown_summarises_measured_cells():
     assert text.rstrip().endswith("accuracy and fragmentation.")  # what only the HTML report has, said
 
 
+def test_results_markdown_names_each_rows_run_where_several_and_marks_noisy_times():
+    frame = _frame(_record(run_id="r-1", step_time_ms_p50=12.5, noisy=True, step_time_cv=0.4),
+                   _record(run_id="r-2", step_time_ms_p50=10.0))
+    text = results_markdown(frame)
+    assert "| run | size |" in text
+    assert "| r-1 | small | baseline | cpu |" in text and "12.50 ms (noisy, cv 40%)" in text
+    assert "| r-2 | small |" in text and "10.00 ms |" in text
+    assert "| run |" not in results_markdown(_frame(_record(run_id="r-1", step_time_ms_p50=12.5)))
+
+
 def test_results_markdown_answers_from_a_serving_matrix_at_the_reports_prices():
     from tests.test_report_decision import PRICES, _matrix
 
