@@ -91,7 +91,10 @@ def cmd_run(args) -> int:
     options = RunnerOptions(run_id=run_id, cell_timeout_s=args.cell_timeout or DEFAULT_CELL_TIMEOUT_S,
                             settings=dataclasses.replace(settings, artifacts_dir=str(out.resolve())),
                             profiles_dir=args.profiles,
-                            cell_memory_bytes=args.cell_memory or default_cell_memory())
+                            cell_memory_bytes=args.cell_memory or default_cell_memory(),
+                            heartbeat=lambda cell, seconds: console.print(
+                                f"  ... {cell.describe()}: still running, {seconds:.0f} s of its "
+                                f"{args.cell_timeout or DEFAULT_CELL_TIMEOUT_S:g} s limit (--cell-timeout)"))
     scope = f"sizes {', '.join(args.size)}" if args.size else f"scale {plan.scale}"  # --size picks over scales
     console.print(f"headroom run {run_id}: {len(measured)} measured cells on {local.name} ({local.id}), "
                   f"{scope}; {len(projected)} projected cells" + (f" (scale {plan.projected_scale} "

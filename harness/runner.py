@@ -51,6 +51,12 @@ class RunnerOptions:
     # Most memory a cell measured on the host CPU may take (its data segment: heap and anonymous
     # mappings, RLIMIT_DATA); None: no limit.
     cell_memory_bytes: int | None = None
+    # Called every HEARTBEAT_S while a measured cell runs, with the cell and the seconds it has run: a long cell
+    # (a large size on the CPU) is not minutes of silence.
+    heartbeat: Callable[[Cell, float], None] | None = None
+
+
+HEARTBEAT_S = 30.0
 
 
 # Whether the runner is tracing in-process, and whether an interrupt arrived meanwhile.
@@ -97,6 +103,22 @@ def default_cell_memory() -> int:
     return int(available_memory() * DEFAULT_CELL_MEMORY_SHARE)
 
 
+def _wait(process: subprocess.Popen, options: RunnerOptions, cell: Cell, started: float) -> None:
+    """Wait for the cell's process up to its timeout (TimeoutExpired past it), telling `options.heartbeat` how
+    long it has run every HEARTBEAT_S."""
+    deadline = started + options.cell_timeout_s
+    while True:
+        left = deadline - time.perf_counter()
+        try:
+            process.wait(timeout=max(0.0, min(left, HEARTBEAT_S)))
+            return
+        except subprocess.TimeoutExpired:
+            if time.perf_counter() >= deadline:
+                raise
+            if options.heartbeat:
+                options.heartbeat(cell, time.perf_counter() - started)
+
+
 def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record | list[Record]:
     """Measure `cell` in a fresh Python process (one per rank under torchrun for a parallel stack: then the
     cell's row and one per rank); turn any way it can fail into a row."""
@@ -131,7 +153,7 @@ def run_isolated(cell: Cell | ResolvedCell, options: RunnerOptions) -> Record | 
             process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr_file,
                                        start_new_session=True, preexec_fn=lambda: _prepare_child(limit))
             try:
-                process.wait(timeout=options.cell_timeout_s)
+                _wait(process, options, named, started)
             except subprocess.TimeoutExpired:
                 _kill_group(process)
                 process.wait()

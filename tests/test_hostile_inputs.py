@@ -226,6 +226,18 @@ def test_a_helper_process_that_outlives_its_cell_costs_it_neither_its_row_nor_th
         pytest.fail(f"the helper process is still running: {state.read_text()}")
 
 
+def test_a_long_cell_reports_how_long_it_has_run_until_its_timeout(monkeypatch, tmp_path):
+    import harness.runner as runner
+
+    monkeypatch.setattr(runner, "HEARTBEAT_S", 0.5)
+    monkeypatch.setenv("UNRULY_PID", str(tmp_path / "sleeper.pid"))
+    beats = []
+    record = _unruly(monkeypatch, "sleeper", cell_timeout_s=2.2, heartbeat=lambda cell, s: beats.append(s))
+    assert record.status == "timeout"
+    # Every half second until the limit: the seconds grow and stay under it.
+    assert len(beats) >= 3 and beats == sorted(beats) and 0.4 < beats[0] and beats[-1] < 2.2
+
+
 def test_a_cells_stderr_is_read_with_a_bound_and_its_last_line_kept(monkeypatch):
     record = _unruly(monkeypatch, "chatty", cell_timeout_s=100)
     assert record.status == "error" and "exited with code 3" in record.reason
