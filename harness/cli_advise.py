@@ -26,7 +26,12 @@ def cmd_advise(args) -> int:
     from harness.advise import advise
     from harness.prices import priced_profiles
     from harness.project.query import ProjectRequest
+    from suites.workloads import get_workload
 
+    # A mistyped workload or size is refused before anything is projected (ValueError: one line).
+    workload = get_workload(args.workload)
+    if args.size:
+        workload.size(args.size)
     request = ProjectRequest(gpu=args.gpu, workload=args.workload, technique=args.technique, mode=args.mode,
                              size=args.size, batch_size=args.batch_size)
     # Each stack is a projection of a few seconds: say which one runs, on stderr so stdout stays the answer.

@@ -279,3 +279,9 @@ def test_stacks_projected_in_parallel_processes_give_the_rows_projected_here():
         [(r.technique, r.peak_reserved_bytes, r.step_time_ms_p50) for r in serial]
     assert [r.technique for r in parallel] == ["amp-bf16", "checkpointing"]  # in the order asked
     assert said[0] == "projecting 2 cells in 2 processes" and "projecting checkpointing on l4" in said
+
+
+def test_a_mistyped_size_is_refused_before_anything_is_projected(capsys):
+    assert main(["advise", "--size", "gpt-7x", "--gpu", "l4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown size 'gpt-7x'" in err and "projecting" not in err

@@ -40,11 +40,9 @@ def get_workload(name: str) -> Workload:
     try:
         return known[name]
     except KeyError:
-        message = f"unknown workload {name!r}; valid: {', '.join(known)}"
         close = difflib.get_close_matches(name, known, n=1)
-        if close:
-            message += f"; did you mean {close[0]!r}?"
-        raise ValueError(message) from None
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown workload {name!r}{hint}; valid: {', '.join(known)}") from None
 
 
 def spec_as_run(workload: str, size: str, seq_len=None, config: dict | None = None):
