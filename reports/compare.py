@@ -61,7 +61,8 @@ def compare_results(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     which the change is not noise (relative; a timing's rise beyond +t, its fall beyond -t / (1 + t)), the
     basis of that threshold and a verdict:
     better, worse or within noise; a status change is its own row (`figure` "status"; ok to oom, error,
-    timeout or unsupported is worse, the reverse better, one failure to another "changed"); cells only
+    timeout or unsupported is worse, the reverse better, one failure to another "changed", as is a figure one
+    side lacks where both are ok); cells only
     in OLD or only in NEW are one row each, "removed" or "added" (`figure` "cell"). Rows are sorted
     worse first (largest change first), then better, changed, added, removed, within noise. A cell
     appearing twice on one side (a run merged twice) counts once, as its last row."""
@@ -94,7 +95,8 @@ def verdict_counts(comparison: pd.DataFrame) -> dict[str, int]:
 def counts_line(comparison: pd.DataFrame) -> str:
     """'3 worse, 5 better, 40 within noise (figures of 12 matched cells); 1 added, 0 removed cells'."""
     counts = verdict_counts(comparison)
-    changed = f", {counts['changed']} failed differently" if counts["changed"] else ""
+    changed = f", {counts['changed']} changed (a failure for another, or a figure one run lacks)" \
+        if counts["changed"] else ""
     return (f"{counts['worse']} worse, {counts['better']} better, {counts['within noise']} within noise"
             f"{changed} (figures of {_matched(comparison)} matched cells); {counts['added']} added, "
             f"{counts['removed']} removed cells")
@@ -154,6 +156,7 @@ def _compare_cell(old: dict, new: dict) -> list[dict]:
         verdict = ("worse" if old["status"] == "ok" else "better" if new["status"] == "ok" else "changed")
         rows.append(_row(new, "status", verdict, basis="status", **statuses))
     projected = old["source"] == "projected"
+    rows += _one_sided(old, new, statuses)
     for figure, higher in TIMINGS.items():
         before, after = _number(old.get(figure)), _number(new.get(figure))
         if before is None or after is None or before <= 0:
@@ -180,6 +183,20 @@ def _compare_cell(old: dict, new: dict) -> list[dict]:
                          after / before - 1 if before > 0 else None, tolerance / before if before > 0 else None,
                          "memory: max(1 MiB, 1%)", **statuses))
     rows += _compare_accuracy(old, new, statuses)
+    return rows
+
+
+def _one_sided(old: dict, new: dict, statuses: dict) -> list[dict]:
+    """A timing or memory figure one run has and the other lacks, both cells ok ("changed": a projection that
+    gained a step time from a calibrated profile, a measurement that lost one), which no threshold can judge."""
+    if old["status"] != "ok" or new["status"] != "ok":
+        return []
+    rows = []
+    for figure in [*TIMINGS, *MEMORY]:
+        before, after = _number(old.get(figure)), _number(new.get(figure))
+        if (before is None) != (after is None):
+            basis = "only the new run has it" if before is None else "only the old run has it"
+            rows.append(_row(new, figure, "changed", before, after, None, None, basis, **statuses))
     return rows
 
 
@@ -263,7 +280,8 @@ def formatted_rows(comparison: pd.DataFrame, verdict: str) -> list[dict]:
 
 # verdict -> (heading, how the counts name it)
 SECTIONS = {"worse": ("Worse", "worse"), "better": ("Better", "better"),
-            "changed": ("Failed differently", "failed differently"), "added": ("Added cells", "added"),
+            "changed": ("Changed: a failure for another, or a figure one run lacks", "changed"),
+            "added": ("Added cells", "added"),
             "removed": ("Removed cells", "removed"), "within noise": ("Within noise", "within noise")}
 METHOD = ("Cells match on workload, size, mode, technique, GPU, source and shape (batch, sequence, image, ranks); "
           "measured rows compare with measured, projected with projected. A measured timing counts when its change "

@@ -166,6 +166,16 @@ def test_names_are_escaped_in_html_and_markdown():
     assert "<script>" not in text and "new\\|x" in text
 
 
+def test_a_figure_one_run_lacks_is_a_changed_row_not_silence():
+    # A projection that gained a step time (a calibrated profile) has nothing to judge a threshold on.
+    old = _frame(_record(source="projected", peak_allocated_bytes=MIB))
+    new = _frame(_record(source="projected", peak_allocated_bytes=MIB, step_time_ms_p50=16.5))
+    table = compare_results(old, new)
+    gained = table[table["verdict"] == "changed"]
+    assert list(gained["figure"]) == ["step_time_ms_p50"] and gained["basis"].iloc[0] == "only the new run has it"
+    assert "1 changed (a failure for another, or a figure one run lacks)" in counts_line(table)
+
+
 def test_results_markdown_summarises_measured_cells():
     frame = _frame(_record(run_id="r-1", step_time_ms_p50=12.5, peak_reserved_bytes=3 * 2**30),
                    _record(run_id="r-1", source="projected", gpu="a100", status="oom"),
