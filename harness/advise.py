@@ -230,23 +230,7 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
         raise ValueError(f"{request.technique} on {profile.id}: {record.status}: {record.reason}")
     target = _summary(record, capacity)
     if record.status == "oom" or (target["left"] is not None and target["left"] < 0):
-        asked = parse_stack(request.technique).name
-        stacks, fixes = [], []
-        rounds = [candidate_stacks(request.mode, profile)]
-        if request.mode == "train":  # where none fits at this batch, the same in micro-batches
-            rounds.append([f"{s}+grad-accumulation" for s in rounds[0] if "grad-accumulation" not in s.split("+")])
-        for candidates in rounds:
-            built = {}
-            for candidate in candidates:
-                stack, kept = built_on(candidate, request.technique)
-                if stack != asked and stack not in stacks:
-                    built[stack] = kept
-            changes = [{"technique": s, **({"dp": 1} if parse_stack(s).parallel else {})} for s in built]
-            for kept, result in zip(built.values(), project_each(changes), strict=True):
-                fixes.append({**_summary(result, capacity), "kept": kept})
-            stacks += list(built)
-            if any(f["status"] == "ok" and f["left"] is not None and f["left"] >= 0 for f in fixes):
-                break
+        stacks, fixes = _tried_fixes(request, profile, capacity, project_each)
         lines = rank_fixes(target, [f for f in fixes if f["status"] == "ok"])
         unsupported = [f for f in fixes if f["status"] == "unsupported"]
         skipped = (f" ({len(unsupported)} unsupported on {profile.id}: "
@@ -279,6 +263,32 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
                   + _decode_mode(request, record),
                   f"projected: {request.technique} fits on {profile.id} with {gib(target['left'])} left"
                   f"{uncertain_fit(target['worst'])}{speed}{cost}")
+
+
+def _tried_fixes(request, profile, capacity, project_each) -> tuple[list[str], list[dict]]:
+    """The stacks tried for a cell that does not fit and their summaries: the candidates built on the asked
+    stack, then, in training where none fits, each in micro-batches (+grad-accumulation). A parallel stack among
+    them (cpu-offload) is projected as a world of one."""
+    from suites.techniques import parse_stack
+
+    asked = parse_stack(request.technique).name
+    stacks, fixes = [], []
+    rounds = [candidate_stacks(request.mode, profile)]
+    if request.mode == "train":
+        rounds.append([f"{s}+grad-accumulation" for s in rounds[0] if "grad-accumulation" not in s.split("+")])
+    for candidates in rounds:
+        built = {}
+        for candidate in candidates:
+            stack, kept = built_on(candidate, request.technique)
+            if stack != asked and stack not in stacks:
+                built[stack] = kept
+        changes = [{"technique": s, **({"dp": 1} if parse_stack(s).parallel else {})} for s in built]
+        for kept, result in zip(built.values(), project_each(changes), strict=True):
+            fixes.append({**_summary(result, capacity), "kept": kept})
+        stacks += list(built)
+        if any(f["status"] == "ok" and f["left"] is not None and f["left"] >= 0 for f in fixes):
+            break
+    return stacks, fixes
 
 
 # Tensor-parallel groups tried for a served model that one GPU cannot hold: within one 8-GPU node.
