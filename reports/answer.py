@@ -341,12 +341,13 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
     for size in dict.fromkeys(matrix["size"]):
         fitting = rows[rows["size"] == size]
 
-        def entry(row, what: str) -> dict | None:
+        def entry(row, what: str, at: str = "max") -> dict | None:
+            """The pick's figures, its cost at the largest batch or (`at` "b1") for one stream."""
             if row is None:
                 return None
-            cost = "no price known"
-            if not fmt.missing(row["usd"]):
-                cost = ranged(row, "usd_per_million_tokens_max", fmt.usd) + " / M tokens"
+            cost, column = "no price known", f"usd_per_million_tokens_{at}"
+            if column in row and not fmt.missing(row[column]):
+                cost = ranged(row, column, fmt.usd) + " / M tokens" + (" for one stream" if at == "b1" else "")
             return {"gpu": str(row["replica"]), "weights": str(row["weights"]), "what": what, "cost": cost,
                     "price": row["price"]}
 
@@ -363,7 +364,7 @@ def serving_answers(matrix: pd.DataFrame | None, prices: dict) -> list[dict]:
         cheapest = _pick(fitting.assign(throughput_samples_s=fitting["decode_tokens_s_max"]), "hourly", True)
         result.append({"size": str(size), "context": context, "decode": decode, "picks": {
             "cheapest": entry(cheapest, f"largest batch {int(cheapest[batch])}" if cheapest is not None else ""),
-            "fastest": entry(fastest, _stream(fastest, stream, rate) if fastest is not None else ""),
+            "fastest": entry(fastest, _stream(fastest, stream, rate) if fastest is not None else "", "b1"),
             "value": entry(value, f"{rate(value, 'decode_tokens_s_max')} tokens/s at batch "
                            f"{int(value[batch])}" if value is not None else "")}})
     return result

@@ -93,7 +93,7 @@ def matrix_section(matrix: pd.DataFrame, c1_verdict: str | None) -> dict | None:
 
 # The matrix's speed and cost columns, and the batch (b1, max) whose speed range (serve_matrix.py) they take.
 RANGED = {"decode_tokens_s_b1": "b1", "decode_tokens_s_max": "max", "generated_tokens_s_b1": "b1",
-          "usd_per_million_tokens_max": "max"}
+          "usd_per_million_tokens_b1": "b1", "usd_per_million_tokens_max": "max"}
 
 
 def speed_range(row, batch: str) -> tuple[float, float] | None:

@@ -46,6 +46,9 @@ def test_the_fastest_stream_is_the_one_whose_generation_ends_first_prefill_inclu
     fastest = answer["picks"]["fastest"]
     assert fastest["gpu"] == "h100-sxm", fastest
     assert fastest["what"] == "120 tokens/s for one stream, its prompt's prefill included (decode 150)"
+    # Its cost is one stream's (the hour over its 120 tokens a second), not the largest batch's.
+    hourly = PRICES["h100-sxm"].per_device
+    assert fastest["cost"] == f"${hourly / 3600 / 120 * 1e6:,.2f} / M tokens for one stream"
 
 
 def test_a_context_past_every_sizes_own_is_not_a_column_of_dashes():
