@@ -95,13 +95,17 @@ def fix_line(stack: str, target: dict, fix: dict, reference: float | None = None
     if fix.get("tokens_s"):  # a served cell: what serving is priced on, as the tensor-parallel line says it
         usd = f", ${fix['usd_tokens']:,.2f} per million tokens" if fix.get("usd_tokens") else ""
         parts.append(f"{fix['tokens_s']:,.1f} generated tokens/s{usd},")
-    retrying = (", and only by the allocator freeing its cache and retrying every step (slow; a smaller batch, "
-                "--max-batch, avoids it)") if fix.get("retrying") else ""
-    parts.append(f"fits with {gib(fix['left'])} left" + uncertain_fit(fix.get("worst")) + retrying)
+    parts.append(f"fits with {gib(fix['left'])} left" + uncertain_fit(fix.get("worst"))
+                 + (RETRYING if fix.get("retrying") else ""))
     notes = [note for name, note in CHANGES_TRAINING.items() if name in [t.partition(":")[0] for t in stack.split("+")]]
     kept = f"kept from yours: {', '.join(fix['kept'])}" if fix.get("kept") else ""
     notes += [kept] if kept else []
     return " ".join(parts) + (f" ({'; '.join(notes)})" if notes else "")
+
+
+# What a fit that holds only through the caching allocator's cache-freeing retries adds to "fits".
+RETRYING = (", and only by the allocator freeing its cache and retrying every step (slow; a smaller batch, "
+            "--max-batch, avoids it)")
 
 
 def uncertain_fit(worst: float | None) -> str:
@@ -262,7 +266,7 @@ def advise(request, profiles, progress: Callable[[str], None] = lambda _: None, 
                   _when_it_fits(request, record, profile, profiles, project_each, capacity)
                   + _decode_mode(request, record),
                   f"projected: {request.technique} fits on {profile.id} with {gib(target['left'])} left"
-                  f"{uncertain_fit(target['worst'])}{speed}{cost}")
+                  f"{uncertain_fit(target['worst'])}{RETRYING if target['retrying'] else ''}{speed}{cost}")
 
 
 def _tried_fixes(request, profile, capacity, project_each) -> tuple[list[str], list[dict]]:
@@ -347,6 +351,10 @@ def _when_it_fits(request, record, profile, profiles, project_each, capacity) ->
             lines.append(f"a larger batch fits: up to {largest.batch_size} (now {record.batch_size}), "
                          f"{largest.throughput_samples_s or 0:,.1f} samples/s{cost}")
             mine = _cheapest(mine, largest.usd_per_million_samples)
+        elif largest.status == "ok" and largest.batch_size and largest.batch_size < record.batch_size:
+            # Fits only through the allocator's retries: the largest batch that runs without them.
+            lines.append(f"without the allocator's retries: batch {largest.batch_size} at most (now "
+                         f"{record.batch_size}), {largest.throughput_samples_s or 0:,.1f} samples/s")
     price = profile.per_device().usd_per_hour
     if price is None:
         lines.append(f"no price is known for {profile.id}: which GPU is cheaper cannot be said "

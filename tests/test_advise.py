@@ -285,3 +285,18 @@ def test_a_mistyped_size_is_refused_before_anything_is_projected(capsys):
     assert main(["advise", "--size", "gpt-7x", "--gpu", "l4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown size 'gpt-7x'" in err and "projecting" not in err
+
+
+def test_a_summary_knows_a_fit_that_needs_the_allocators_retries():
+    from types import SimpleNamespace
+
+    gib = advise.GIB
+    # Reserved 30 GiB on a 24 GiB card, live bytes 20 GiB: the projection says it fits, by retrying.
+    record = SimpleNamespace(technique="t", peak_reserved_bytes=30 * gib, peak_reserved_high_bytes=None,
+                             device_overhead_bytes=0, peak_allocated_bytes=20 * gib, fits=True, status="ok",
+                             reason=None, batch_size=8, usd_per_million_samples=None, step_time_ms_p50=1.0,
+                             gen_len=None, mode="train")
+    summary = advise._summary(record, 24 * gib)
+    assert summary["retrying"] and summary["left"] == 4 * gib
+    assert not advise._summary(SimpleNamespace(**{**vars(record), "peak_reserved_bytes": 22 * gib}),
+                               24 * gib)["retrying"]
