@@ -42,7 +42,7 @@ def _run_info(args, whole) -> dict:
     plan = hashlib.sha256("\n".join(sorted(cell.cell_id for cell in whole.cells)).encode()).hexdigest()[:12]
     shard = "/".join(str(part) for part in parse_shard(args.shard)) if args.shard else None
     return {"warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-            "noise_threshold": args.noise_threshold, "shard": shard, "plan": plan, "plan_cells": len(whole.cells)}
+            "noise_threshold": args.noise_threshold, "shard": shard, "plan": plan}
 
 
 def cmd_run(args) -> int:

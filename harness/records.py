@@ -468,8 +468,7 @@ def _frame_holds_cells(frame_file: Path, folder: Path) -> bool:
         return frame.astype(object).where(frame.notna(), None).astype(str)
 
     try:
-        saved = _checked(pd.read_parquet(frame_file) if frame_file.suffix == ".parquet" else
-                         pd.read_csv(frame_file, dtype=str, keep_default_na=False, na_values=[""]), frame_file)
+        saved = read_results(frame_file)
         cells = _checked(records_frame(ResultsStore(folder).rows()), folder / "cells")
     except (OSError, ValueError):
         return False
